@@ -1,0 +1,1 @@
+"""tyingspec: verify tied-embedding gradients row by row."""

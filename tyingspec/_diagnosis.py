@@ -1,0 +1,274 @@
+"""Diagnosis: compare an implementation's dE with the two-path reference and say what is wrong.
+
+The reference is split into ``dE_in`` (input path, sparse) and ``dE_out`` (output path, dense),
+so a wrong matrix can be explained as a combination of them: a path missing, a path scaled, the
+input path overwriting the output path, or repeated tokens losing occurrences.  The checker also
+asks whether its own example *could* have told those apart from a correct gradient ("power").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._probe import Array, Paths, scatter_rows
+from ._tolerance import Tolerance, tolerance_for
+
+#: The named verdicts, in the order they are tried, with the sentence a person reads.
+LABELS: dict[str, str] = {
+    "correct": "correct: both paths present and summed",
+    "no_power": "no power: this example could not tell a dropped path from a correct gradient",
+    "input_path_missing": "input path missing: rows of tokens in the batch lack the scatter-add "
+                          "of dx; every other row is exactly right",
+    "output_path_missing": "output path missing: every row lacks g.T @ h",
+    "output_path_overwritten": "output path overwritten on present rows (`=` instead of `+=`): "
+                               "rows of tokens in the batch hold the input path only",
+    "duplicates_not_accumulated": "duplicates not accumulated: rows of repeated tokens got fewer "
+                                  "than all of their occurrences",
+    "path_scaled": "path scaled: a path enters with a stray factor",
+    "other_gradient_wrong": "dE is right but another output (loss, dW or db) is wrong",
+    "unknown": "wrong, unexplained by the catalogue: see the wrong rows",
+}
+
+
+@dataclass(frozen=True)
+class ArrayCheck:
+    """numpy.testing-style comparison result for one returned array."""
+
+    name: str
+    ok: bool
+    mismatched: int
+    size: int
+    max_abs_error: float
+    max_rel_error: float
+    tolerance: Tolerance
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"{self.name}: ok ({self.tolerance.describe()})"
+        share = 100.0 * self.mismatched / max(self.size, 1)
+        return (f"{self.name}: {self.mismatched} of {self.size} entries differ ({share:.1f}%); "
+                f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g} "
+                f"under {self.tolerance.describe()}")
+
+
+def _errors(actual: Array, expected: Array) -> tuple[float, float]:
+    diff = np.abs(actual - expected)
+    if diff.size == 0:
+        return 0.0, 0.0
+    nz = np.abs(expected) > 0
+    rel = float(np.max(diff[nz] / np.abs(expected[nz]))) if nz.any() else 0.0
+    return float(diff.max()), rel
+
+
+def compare(name: str, actual: Any, expected: Any, tol: Tolerance) -> ArrayCheck:
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    ok = tol.close(a, e)
+    mx_abs, mx_rel = _errors(a, e)
+    return ArrayCheck(name, bool(ok.all()), int((~ok).sum()), int(ok.size), mx_abs, mx_rel, tol)
+
+
+@dataclass(frozen=True)
+class Power:
+    """Whether this example would have caught each kind of bug (False = vacuous for it)."""
+
+    input_path: bool
+    output_path: bool
+    duplicates: bool | None  # None: the batch has no repeated token
+
+    def as_dict(self) -> dict[str, bool | None]:
+        return {"input_path": self.input_path, "output_path": self.output_path,
+                "duplicates": self.duplicates}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What is wrong with an implementation's dE on one batch, and where."""
+
+    label: str
+    detail: str
+    rows_total: int
+    rows_wrong: int
+    wrong_rows: list[int]
+    present_rows: list[int]
+    repeated_rows: dict[int, int]  # row -> multiplicity, for tokens seen more than once
+    row_causes: dict[str, list[int]]
+    max_abs_error: float
+    max_rel_error: float
+    tolerance: Tolerance
+    power: Power
+    scales: tuple[float, float] | None = None  # fitted (input, output) factors
+    others: list[ArrayCheck] = field(default_factory=list)
+
+    @property
+    def rows_exact(self) -> int:
+        return self.rows_total - self.rows_wrong
+
+    @property
+    def ok(self) -> bool:
+        return self.label == "correct"
+
+    @property
+    def wrong(self) -> bool:
+        return self.label not in ("correct", "no_power")
+
+    def headline(self) -> str:
+        return LABELS[self.label] + (f" ({self.detail})" if self.detail else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "detail": self.detail,
+            "rows_total": self.rows_total,
+            "rows_wrong": self.rows_wrong,
+            "rows_exact": self.rows_exact,
+            "wrong_rows": list(self.wrong_rows),
+            "present_rows": list(self.present_rows),
+            "repeated_rows": {str(k): v for k, v in self.repeated_rows.items()},
+            "row_causes": {k: list(v) for k, v in self.row_causes.items()},
+            "max_abs_error": self.max_abs_error,
+            "max_rel_error": self.max_rel_error,
+            "atol": self.tolerance.atol,
+            "rtol": self.tolerance.rtol,
+            "power": self.power.as_dict(),
+            "scales": None if self.scales is None else list(self.scales),
+            "others": [{"name": c.name, "ok": c.ok, "max_abs_error": c.max_abs_error,
+                        "max_rel_error": c.max_rel_error} for c in self.others],
+        }
+
+
+def _rows_close(tol: Tolerance, actual: Array, expected: Array) -> np.ndarray:
+    return tol.close(actual, expected).all(axis=1)
+
+
+def _occurrence_variants(paths: Paths, V: int) -> dict[str, Array]:
+    """Input path built from one occurrence per token: the shapes duplicate bugs take."""
+    t = paths.tokens
+    first = np.unique(t, return_index=True)[1]
+    last = t.shape[0] - 1 - np.unique(t[::-1], return_index=True)[1]
+    return {
+        "first occurrence only": scatter_rows(t[first], paths.per_position[first], V),
+        "last occurrence only": scatter_rows(t[last], paths.per_position[last], V),
+    }
+
+
+def _fit_scales(actual: Array, d_in: Array, d_out: Array) -> tuple[float, float]:
+    A = np.stack([d_in.reshape(-1), d_out.reshape(-1)], axis=1)
+    coef, *_ = np.linalg.lstsq(A, actual.reshape(-1), rcond=None)
+    return float(coef[0]), float(coef[1])
+
+
+def _describe_scales(a: float, c: float) -> str:
+    def name(x: float) -> str:
+        for v, word in ((2.0, "doubled"), (0.5, "halved")):
+            if abs(x - v) < 1e-6:
+                return word
+        return f"x{x:.6g}"
+
+    if abs(a - 0.5) < 1e-6 and abs(c - 0.5) < 1e-6:
+        return "both paths x0.5: averaged instead of summed"
+    parts = []
+    if abs(a - 1) > 1e-9:
+        parts.append(f"input path {name(a)}")
+    if abs(c - 1) > 1e-9:
+        parts.append(f"output path {name(c)}")
+    return ", ".join(parts)
+
+
+def diagnose(
+    dE: Any,
+    paths: Paths,
+    *,
+    dtype: object = None,
+    others: list[ArrayCheck] | None = None,
+) -> Diagnosis:
+    """Compare ``dE`` with the reference ``paths`` row by row and name what is wrong.
+
+    ``dtype`` is the precision the implementation worked in (sets the tolerance); it defaults
+    to the dtype of ``dE``.
+    """
+    raw = np.asarray(dE)
+    actual = raw.astype(np.float64)
+    d_in = np.asarray(paths.dE_in, dtype=np.float64)
+    d_out = np.asarray(paths.dE_out, dtype=np.float64)
+    ref = d_in + d_out
+    V = ref.shape[0]
+    tol = tolerance_for(dtype if dtype is not None else raw.dtype, ref, d_in, d_out)
+    tokens = paths.tokens
+    uniq, counts = np.unique(tokens, return_counts=True)
+    present = np.zeros(V, dtype=bool)
+    present[uniq] = True
+    repeated = {int(u): int(c) for u, c in zip(uniq, counts) if c > 1}
+
+    row_ok = _rows_close(tol, actual, ref)
+    wrong_rows = [int(r) for r in np.flatnonzero(~row_ok)]
+    mx_abs, mx_rel = _errors(actual, ref)
+
+    variants = _occurrence_variants(paths, V) if repeated else {}
+    dup_power = None
+    if repeated:
+        dup_power = any(not _rows_close(tol, v + d_out, ref).all() for v in variants.values())
+    power = Power(
+        input_path=not _rows_close(tol, d_out, ref).all(),
+        output_path=not _rows_close(tol, d_in, ref).all(),
+        duplicates=dup_power,
+    )
+
+    # Per-row causes: which explanation fits each wrong row.
+    causes: dict[str, list[int]] = {}
+    candidates: list[tuple[str, Array]] = [
+        ("input path missing", d_out),
+        ("output path missing", d_in),
+    ] + [(f"duplicates: {k}", v + d_out) for k, v in variants.items()]
+    for r in wrong_rows:
+        cause = "unexplained"
+        for name, cand in candidates:
+            if tol.close(actual[r], cand[r]).all():
+                cause = name
+                break
+        causes.setdefault(cause, []).append(r)
+
+    def whole(cand: Array) -> bool:
+        return bool(_rows_close(tol, actual, cand).all())
+
+    label, detail, scales = "unknown", "", None
+    present_rows = [int(u) for u in uniq]
+    if not wrong_rows:
+        if not power.input_path or not power.output_path:
+            label = "no_power"
+            missing = [p for p, ok in (("input", power.input_path),
+                                       ("output", power.output_path)) if not ok]
+            detail = (f"dropping the {' or the '.join(missing)} path would pass here too; "
+                      "not counted as evidence")
+        else:
+            label = "correct"
+    elif whole(d_out):
+        label, detail = "input_path_missing", f"wrong on exactly the {len(uniq)} present rows"
+    elif whole(d_in):
+        label, detail = "output_path_missing", f"all {V} rows wrong"
+    elif whole(np.where(present[:, None], d_in, d_out)):
+        label, detail = "output_path_overwritten", f"{len(uniq)} present rows hold dE_in only"
+    elif repeated and set(wrong_rows) <= set(repeated):
+        label = "duplicates_not_accumulated"
+        kept = [k for k, v in variants.items() if whole(v + d_out)]
+        detail = (f"{kept[0]}; " if kept else "") + "wrong rows are repeated tokens " + ", ".join(
+            f"{r} (x{repeated[r]})" for r in wrong_rows)
+    else:
+        a, c = _fit_scales(actual, d_in, d_out)
+        if whole(a * d_in + c * d_out):
+            label, detail, scales = "path_scaled", _describe_scales(a, c), (a, c)
+
+    others = list(others or [])
+    if label in ("correct", "no_power") and any(not o.ok for o in others):
+        label = "other_gradient_wrong"
+        detail = "; ".join(o.describe() for o in others if not o.ok)
+
+    return Diagnosis(
+        label=label, detail=detail, rows_total=V, rows_wrong=len(wrong_rows),
+        wrong_rows=wrong_rows, present_rows=present_rows, repeated_rows=repeated,
+        row_causes=causes, max_abs_error=mx_abs, max_rel_error=mx_rel, tolerance=tol,
+        power=power, scales=scales, others=others,
+    )
