@@ -1,1 +1,93 @@
-"""tyingspec: verify tied-embedding gradients row by row."""
+"""tyingspec: verify tied-embedding gradients row by row — which path, which rows, which bug.
+
+The public surface; everything else lives in underscore modules.  Names load on first use
+(PEP 562) so that importing ``tyingspec`` (and its pytest plugin) does not pay for numpy/sympy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._adapters import AdapterError, call_kernel, call_model, resolve
+    from ._cases import Batch, Case, build, standard_cases
+    from ._check import CaseResult, CheckReport, check_target
+    from ._diagnosis import LABELS, ArrayCheck, Diagnosis, Power, compare, diagnose
+    from ._finite import central_differences
+    from ._implementations import REGISTRY, Implementation, register
+    from ._probe import Paths, closed_form_paths, loss_only
+    from ._symbolic import symbolic_paths
+    from ._tolerance import Tolerance, tolerance_for
+
+_WHERE: dict[str, str] = {
+    "AdapterError": "._adapters",
+    "ArrayCheck": "._diagnosis",
+    "Batch": "._cases",
+    "Case": "._cases",
+    "CaseResult": "._check",
+    "CheckReport": "._check",
+    "Diagnosis": "._diagnosis",
+    "Implementation": "._implementations",
+    "LABELS": "._diagnosis",
+    "Paths": "._probe",
+    "Power": "._diagnosis",
+    "REGISTRY": "._implementations",
+    "Tolerance": "._tolerance",
+    "build": "._cases",
+    "call_kernel": "._adapters",
+    "call_model": "._adapters",
+    "central_differences": "._finite",
+    "check_target": "._check",
+    "closed_form_paths": "._probe",
+    "compare": "._diagnosis",
+    "diagnose": "._diagnosis",
+    "loss_only": "._probe",
+    "register": "._implementations",
+    "resolve": "._adapters",
+    "standard_cases": "._cases",
+    "symbolic_paths": "._symbolic",
+    "tolerance_for": "._tolerance",
+}
+
+__all__ = [
+    "LABELS",
+    "REGISTRY",
+    "AdapterError",
+    "ArrayCheck",
+    "Batch",
+    "Case",
+    "CaseResult",
+    "CheckReport",
+    "Diagnosis",
+    "Implementation",
+    "Paths",
+    "Power",
+    "Tolerance",
+    "build",
+    "call_kernel",
+    "call_model",
+    "central_differences",
+    "check_target",
+    "closed_form_paths",
+    "compare",
+    "diagnose",
+    "loss_only",
+    "register",
+    "resolve",
+    "standard_cases",
+    "symbolic_paths",
+    "tolerance_for",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tyingspec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

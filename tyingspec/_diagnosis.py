@@ -246,20 +246,24 @@ def diagnose(
         else:
             label = "correct"
     elif whole(d_out):
-        label, detail = "input_path_missing", f"wrong on exactly the {len(uniq)} present rows"
+        label, detail = "input_path_missing", f"wrong on exactly the {_n(len(uniq), 'present row')}"
     elif whole(d_in):
         label, detail = "output_path_missing", f"all {V} rows wrong"
     elif whole(np.where(present[:, None], d_in, d_out)):
-        label, detail = "output_path_overwritten", f"{len(uniq)} present rows hold dE_in only"
-    elif repeated and set(wrong_rows) <= set(repeated):
-        label = "duplicates_not_accumulated"
-        kept = [k for k, v in variants.items() if whole(v + d_out)]
-        detail = (f"{kept[0]}; " if kept else "") + "wrong rows are repeated tokens " + ", ".join(
-            f"{r} (x{repeated[r]})" for r in wrong_rows)
+        label, detail = "output_path_overwritten", f"{_n(len(uniq), 'present row')} hold dE_in only"
     else:
+        only_repeated = bool(repeated) and set(wrong_rows) <= set(repeated)
+        kept = [k for k, v in variants.items() if whole(v + d_out)]
         a, c = _fit_scales(actual, d_in, d_out)
-        if whole(a * d_in + c * d_out):
+        if only_repeated and kept:
+            label = "duplicates_not_accumulated"
+        elif whole(a * d_in + c * d_out):
             label, detail, scales = "path_scaled", _describe_scales(a, c), (a, c)
+        elif only_repeated:  # some other loss of occurrences (e.g. a racy scatter)
+            label = "duplicates_not_accumulated"
+        if label == "duplicates_not_accumulated":
+            detail = (f"{kept[0]}; " if kept else "") + "wrong rows are repeated tokens " + \
+                ", ".join(f"{r} (x{repeated[r]})" for r in wrong_rows)
 
     others = list(others or [])
     if label in ("correct", "no_power") and any(not o.ok for o in others):
@@ -272,3 +276,7 @@ def diagnose(
         row_causes=causes, max_abs_error=mx_abs, max_rel_error=mx_rel, tolerance=tol,
         power=power, scales=scales, others=others,
     )
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -1,0 +1,108 @@
+"""Adapter errors name the adapter, the key, what was expected and what came back."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from tyingspec import AdapterError, Case, build, call_kernel, call_model, resolve
+
+B = build(Case("a", V=6, d=3, N=5, seed=1, composition="repeats"))
+
+
+def _good(E, W, b, tokens, targets, *, res, s_in):  # type: ignore[no-untyped-def]
+    from tyingspec._implementations import REGISTRY
+
+    return REGISTRY["tied"].model(E, W, b, tokens, targets, res=res, s_in=s_in)
+
+
+def _call(fn) -> object:  # type: ignore[no-untyped-def]
+    return call_model("user:f", fn, B.E, B.W, B.b, B.tokens, B.targets, res=1.0, s_in=1.0)
+
+
+def _with(**changes):  # type: ignore[no-untyped-def]
+    def fn(*a, **k):  # type: ignore[no-untyped-def]
+        out = dict(_good(*a, **k))
+        out.update(changes)
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("fn,words", [
+    (_with(dE=np.zeros((3, 6))), ["'dE'", "wrong shape", "(6, 3)", "(3, 6)"]),
+    (_with(dE=np.full((6, 3), np.nan)), ["'dE'", "non-finite", "18 NaN/inf"]),
+    (_with(dW=np.zeros((3, 3), dtype=np.int64)), ["'dW'", "dtype", "int64"]),
+    (_with(db=None), ["'db'", "missing value"]),
+    (_with(loss=np.ones(3)), ["'loss'", "scalar"]),
+    (lambda *a, **k: [1, 2], ["non-mapping", "list"]),
+    (lambda *a, **k: {"loss": 1.0}, ["missing key", "'dE'"]),
+    (lambda *a, **k: 1 / 0, ["raised", "ZeroDivisionError"]),
+], ids=["shape", "nan", "dtype", "db-none", "loss-shape", "not-mapping", "missing-key", "raises"])
+def test_bad_output_gives_a_specific_error(fn, words: list[str]) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(AdapterError) as info:
+        _call(fn)
+    msg = str(info.value)
+    assert msg.startswith("adapter 'user:f':")
+    for w in words:
+        assert w in msg, msg
+
+
+def test_torch_like_tensors_are_converted() -> None:
+    class FakeTensor:
+        def __init__(self, a: np.ndarray) -> None:
+            self.a = a
+
+        def detach(self) -> "FakeTensor":
+            return self
+
+        def cpu(self) -> "FakeTensor":
+            return self
+
+        def numpy(self) -> np.ndarray:
+            return self.a
+
+    def fn(*a, **k):  # type: ignore[no-untyped-def]
+        return {k2: (FakeTensor(np.asarray(v)) if v is not None else None)
+                for k2, v in _good(*a, **k).items()}
+
+    out = _call(fn)
+    assert out.dE.shape == (6, 3)  # type: ignore[attr-defined]
+
+
+def test_mutating_adapter_is_reported_and_callers_arrays_stay_untouched() -> None:
+    E0 = B.E.copy()
+
+    def fn(E, W, b, tokens, targets, *, res, s_in):  # type: ignore[no-untyped-def]
+        out = _good(E, W, b, tokens, targets, res=res, s_in=s_in)
+        E *= 2.0
+        tokens[:] = 0
+        return out
+
+    out = _call(fn)
+    assert out.mutated == ("E", "tokens")  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(B.E, E0)
+
+
+def test_kernel_adapter_wrong_shape_names_the_kernel_contract() -> None:
+    with pytest.raises(AdapterError, match=r"key 'dE': wrong shape; expected shape \(6, 3\)"):
+        call_kernel("k:f", lambda t, dx, h, g, V: np.zeros((V, 2)), B.tokens,
+                    np.zeros((5, 3)), np.zeros((5, 3)), np.zeros((5, 6)), 6)
+
+
+def test_unimportable_and_missing_attributes_and_unknown_builtins_are_adapter_errors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(AdapterError, match="cannot be imported.*ModuleNotFoundError"):
+        resolve("no_such_module_xyz:f", "model")
+    mod = types.ModuleType("tyingspec_test_mod")
+    mod.value = 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(__import__("sys").modules, "tyingspec_test_mod", mod)
+    with pytest.raises(AdapterError, match="no attribute 'f'"):
+        resolve("tyingspec_test_mod:f", "model")
+    with pytest.raises(AdapterError, match="not callable"):
+        resolve("tyingspec_test_mod:value", "model")
+    with pytest.raises(AdapterError, match="known|built-in name"):
+        resolve("no-such-builtin", "model")
+    with pytest.raises(AdapterError, match="no kernel form"):
+        resolve("untied-sum", "kernel")

@@ -1,0 +1,97 @@
+"""The diagnosis names each built-in bug, on exactly the rows it touches, and knows its power."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tyingspec import REGISTRY, Case, build, closed_form_paths, diagnose, standard_cases
+
+
+def _paths(case: Case):  # type: ignore[no-untyped-def]
+    b = build(case)
+    return b, closed_form_paths(b.E, b.W, b.b, b.tokens, b.targets, b.res, b.s_in)
+
+
+POWERFUL = [c for c in standard_cases(0) if c.V > 1]
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("case", POWERFUL, ids=lambda c: c.name)
+def test_every_builtin_gets_the_diagnosis_its_registry_entry_expects(name: str, case: Case) -> None:
+    impl = REGISTRY[name]
+    b, paths = _paths(case)
+    out = impl.model(b.E, b.W, b.b, b.tokens, b.targets, res=b.res, s_in=b.s_in)
+    diag = diagnose(out["dE"], paths)
+    expected = impl.expected
+    if impl.expected == "duplicates_not_accumulated" and not diag.repeated_rows:
+        expected = "correct"  # without a repeated token this bug is invisible, rightly
+    assert diag.label == expected, (case, diag.headline())
+
+
+@pytest.mark.parametrize("case", POWERFUL, ids=lambda c: c.name)
+def test_dropped_input_path_is_wrong_on_exactly_the_present_rows(case: Case) -> None:
+    b, paths = _paths(case)
+    diag = diagnose(paths.dE_out, paths)
+    assert diag.wrong_rows == sorted(set(b.tokens.tolist()))
+    assert diag.rows_exact == case.V - len(set(b.tokens.tolist()))
+
+
+def test_duplicate_bug_names_exactly_the_repeated_rows_and_which_occurrence_survived() -> None:
+    case = next(c for c in standard_cases(3) if c.name == "repeated-tokens")
+    b, paths = _paths(case)
+    out = REGISTRY["duplicates-buffered"].model(b.E, b.W, b.b, b.tokens, b.targets)
+    diag = diagnose(out["dE"], paths)
+    uniq, counts = np.unique(b.tokens, return_counts=True)
+    assert diag.wrong_rows == sorted(int(u) for u, c in zip(uniq, counts) if c > 1)
+    assert "last occurrence only" in diag.detail
+
+
+@pytest.mark.parametrize("a,c,words", [(0.5, 0.5, "averaged"), (2.0, 1.0, "input path doubled"),
+                                       (1.0, 0.0625, "output path x0.0625")])
+def test_scaled_paths_are_named_with_their_factor(a: float, c: float, words: str) -> None:
+    _, paths = _paths(POWERFUL[1])
+    diag = diagnose(a * paths.dE_in + c * paths.dE_out, paths)
+    assert diag.label == "path_scaled" and words in diag.detail
+    assert diag.scales is not None
+    np.testing.assert_allclose(diag.scales, (a, c), rtol=1e-9, atol=1e-12)
+
+
+def test_input_path_overwriting_output_path_on_present_rows_is_named() -> None:
+    b, paths = _paths(POWERFUL[0])
+    present = np.zeros(b.E.shape[0], bool)
+    present[b.tokens] = True
+    dE = np.where(present[:, None], paths.dE_in, paths.dE_out)
+    assert diagnose(dE, paths).label == "output_path_overwritten"
+
+
+def test_zero_embedding_makes_the_check_say_no_power_instead_of_correct() -> None:
+    b, _ = _paths(POWERFUL[0])
+    paths = closed_form_paths(np.zeros_like(b.E), b.W, b.b, b.tokens, b.targets)
+    broken = diagnose(paths.dE_out, paths)  # input path dropped, yet indistinguishable
+    assert broken.label == "no_power" and broken.power.input_path is False
+
+
+def test_float32_implementation_is_judged_with_float32_tolerances() -> None:
+    _, paths = _paths(POWERFUL[1])
+    dE32 = paths.dE.astype(np.float32)
+    assert diagnose(dE32, paths).label == "correct"
+    assert diagnose(dE32, paths, dtype=np.float64).label != "correct"
+
+
+def test_a_wrong_dW_with_a_right_dE_is_reported() -> None:
+    from tyingspec import compare, tolerance_for
+
+    _, paths = _paths(POWERFUL[1])
+    bad = compare("dW", paths.dW * 1.01, paths.dW, tolerance_for("float64", paths.dW))
+    diag = diagnose(paths.dE, paths, others=[bad])
+    assert diag.label == "other_gradient_wrong" and "dW" in diag.detail
+
+
+def test_diagnosis_does_not_modify_its_inputs() -> None:
+    _, paths = _paths(POWERFUL[1])
+    dE = paths.dE_out.copy()
+    before = (dE.copy(), paths.dE_in.copy(), paths.dE_out.copy())
+    diagnose(dE, paths)
+    for a, b in zip(before, (dE, paths.dE_in, paths.dE_out)):
+        np.testing.assert_array_equal(a, b)

@@ -1,0 +1,187 @@
+"""Adapters: how a user's implementation plugs in, and the validation of what it returns.
+
+A target is either a built-in name (see ``tyingspec check --list``) or ``module:attr``, imported
+on demand.  Two contracts:
+
+* model adapter: ``f(E, W, b, tokens, targets, *, res, s_in) -> {"loss", "dE", "dW", "db"}``
+* kernel adapter: ``f(tokens, dx, h, g, vocab_size) -> dE`` where ``dx`` is the gradient with
+  respect to the looked-up rows ``E[tokens]`` (``s_in`` already applied), ``h`` the hidden
+  states and ``g`` the logit gradient.
+
+Everything an adapter returns is converted (torch tensors, jax arrays, lists) and validated; any
+problem raises :class:`AdapterError`, which names the adapter, the key, what was expected and
+what came back.  Adapters get copies of their inputs; a mutation is reported, not absorbed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._implementations import REGISTRY
+from ._probe import Array, IntArray
+
+KINDS = ("model", "kernel")
+
+
+class AdapterError(Exception):
+    """The adapter could not be loaded, raised, or returned something unusable."""
+
+    def __init__(self, adapter: str, problem: str, *, key: str | None = None,
+                 expected: str | None = None, got: str | None = None) -> None:
+        self.adapter, self.problem, self.key = adapter, problem, key
+        self.expected, self.got = expected, got
+        where = f" key {key!r}:" if key else ""
+        msg = f"adapter {adapter!r}:{where} {problem}"
+        if expected is not None:
+            msg += f"; expected {expected}"
+        if got is not None:
+            msg += f", got {got}"
+        super().__init__(msg)
+
+
+def resolve(spec: str, kind: str) -> Callable[..., Any]:
+    """Turn a target spec (built-in name or ``module:attr``) into a callable of ``kind``."""
+    if kind not in KINDS:
+        raise AdapterError(spec, f"unknown kind {kind!r}", expected=" or ".join(KINDS), got=kind)
+    if ":" not in spec:
+        impl = REGISTRY.get(spec)
+        if impl is None:
+            raise AdapterError(spec, "cannot be resolved",
+                               expected="a built-in name (" + ", ".join(sorted(REGISTRY))
+                               + ") or module:attr", got=repr(spec))
+        fn = impl.adapter(kind)
+        if fn is None:
+            raise AdapterError(spec, f"built-in has no {kind} form")
+        return fn
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import can fail in any way: report it as the adapter's
+        raise AdapterError(spec, f"module {module_name!r} cannot be imported",
+                           got=f"{type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AdapterError(spec, f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise AdapterError(spec, "is not callable", got=type(obj).__name__)
+    return obj  # type: ignore[no-any-return]
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """Torch tensors, jax arrays, lists and numpy arrays as a numpy array."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _describe(a: np.ndarray) -> str:
+    return f"shape {tuple(a.shape)} dtype {a.dtype}"
+
+
+def validate_array(
+    adapter: str, key: str, value: Any, shape: tuple[int, ...] | None
+) -> np.ndarray:
+    """Convert and check one returned value; ``shape=None`` means a scalar (any 1-element shape)."""
+    if value is None:
+        raise AdapterError(adapter, "missing value", key=key,
+                           expected=f"float array of shape {shape}", got="None")
+    try:
+        a = to_numpy(value)
+    except Exception as exc:
+        raise AdapterError(adapter, "cannot be converted to a numpy array", key=key,
+                           got=f"{type(value).__name__} ({type(exc).__name__}: {exc})") from exc
+    if a.dtype.kind in "iub" and shape is None:
+        a = a.astype(np.float64)  # a Python/numpy int loss is fine; only arrays must be float
+    if a.dtype.kind != "f":
+        raise AdapterError(adapter, "wrong dtype kind", key=key,
+                           expected=f"floating dtype, shape {shape}", got=_describe(a))
+    if (a.size != 1) if shape is None else (a.shape != shape):
+        raise AdapterError(adapter, "wrong shape", key=key,
+                           expected="a scalar" if shape is None else f"shape {shape}",
+                           got=_describe(a))
+    bad = ~np.isfinite(a)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise AdapterError(adapter, "non-finite values", key=key,
+                           expected="finite floats",
+                           got=f"{int(bad.sum())} NaN/inf entries, first at {first}")
+    return a
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    loss: float
+    dE: np.ndarray
+    dW: np.ndarray
+    db: np.ndarray | None
+    mutated: tuple[str, ...]
+
+
+def _guarded_call(adapter: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+        raise AdapterError(adapter, "raised an exception",
+                           got=f"{type(exc).__name__}: {exc}{where}") from exc
+
+
+def _mutated(named: dict[str, tuple[Any, Any]]) -> tuple[str, ...]:
+    # Bitwise comparison on purpose: any write into an input is a mutation, even of equal value.
+    return tuple(k for k, (orig, seen) in named.items()
+                 if orig is not None and not np.array_equal(orig, seen, equal_nan=True))
+
+
+def call_model(
+    adapter: str, fn: Callable[..., Any], E: Array, W: Array, b: Array | None,
+    tokens: IntArray, targets: IntArray, *, res: float, s_in: float,
+) -> ModelOutput:
+    """Call a model adapter on copies of the inputs and validate every returned value."""
+    copies = {k: (None if v is None else np.array(v, copy=True))
+              for k, v in dict(E=E, W=W, b=b, tokens=tokens, targets=targets).items()}
+    out = _guarded_call(adapter, fn, copies["E"], copies["W"], copies["b"], copies["tokens"],
+                        copies["targets"], res=res, s_in=s_in)
+    mutated = _mutated({k: (v, copies[k]) for k, v in
+                        dict(E=E, W=W, b=b, tokens=tokens, targets=targets).items()})
+    if not isinstance(out, Mapping):
+        raise AdapterError(adapter, "returned a non-mapping",
+                           expected="a mapping with keys loss, dE, dW, db",
+                           got=type(out).__name__)
+    for key in ("loss", "dE", "dW", "db"):
+        if key not in out:
+            raise AdapterError(adapter, "missing key", key=key,
+                               expected="keys loss, dE, dW, db", got=f"keys {sorted(out)}")
+    V, d = E.shape
+    loss = validate_array(adapter, "loss", out["loss"], None)
+    dE = validate_array(adapter, "dE", out["dE"], (V, d))
+    dW = validate_array(adapter, "dW", out["dW"], (d, d))
+    if b is None:
+        if out["db"] is not None:
+            raise AdapterError(adapter, "db must be None when the model has no bias", key="db",
+                               expected="None", got=_describe(to_numpy(out["db"])))
+        db = None
+    else:
+        db = validate_array(adapter, "db", out["db"], (V,))
+    return ModelOutput(float(loss.reshape(())), dE, dW, db, mutated)
+
+
+def call_kernel(
+    adapter: str, fn: Callable[..., Any], tokens: IntArray, dx: Array, h: Array, g: Array,
+    vocab_size: int,
+) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Call a kernel adapter on copies of the inputs; returns validated dE and mutated names."""
+    named = dict(tokens=tokens, dx=dx, h=h, g=g)
+    copies = {k: np.array(v, copy=True) for k, v in named.items()}
+    out = _guarded_call(adapter, fn, copies["tokens"], copies["dx"], copies["h"], copies["g"],
+                        vocab_size)
+    dE = validate_array(adapter, "dE", out, (vocab_size, dx.shape[1]))
+    return dE, _mutated({k: (v, copies[k]) for k, v in named.items()})

@@ -1,0 +1,129 @@
+"""Seeded batches: a case is its shape, composition and seed; values are built from the seed.
+
+Values are never drawn element by element: a case carries V, d, N, settings and one integer
+seed, and ``build`` makes every array from ``np.random.default_rng(seed)``, so a printed case
+replays exactly.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ._probe import Array, IntArray, Parts, Paths, forward_parts, scatter_rows
+
+COMPOSITIONS = ("random", "distinct", "repeats", "one-token", "with-zero")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One batch: shapes, settings, how tokens are composed, and the seed for every value."""
+
+    name: str
+    V: int
+    d: int
+    N: int
+    seed: int
+    composition: str = "random"
+    res: float = 1.0
+    s_in: float = 1.0
+    bias: bool = True
+    distinct: int | None = None  # for "repeats": how many distinct tokens
+    dtype: str = "float64"
+    tokens: tuple[int, ...] | None = None  # explicit batch (a replayed, shrunk one)
+    targets: tuple[int, ...] | None = None
+
+    def describe(self) -> str:
+        b = "with b" if self.bias else "no b"
+        return (f"V={self.V} d={self.d} N={self.N} res={self.res:g} s_in={self.s_in:g} {b} "
+                f"{self.dtype} seed={self.seed}")
+
+    def with_batch(self, tokens: IntArray, targets: IntArray) -> Case:
+        return replace(self, N=int(tokens.shape[0]), tokens=tuple(int(t) for t in tokens),
+                       targets=tuple(int(t) for t in targets))
+
+
+@dataclass(frozen=True)
+class Batch:
+    E: Array
+    W: Array
+    b: Array | None
+    tokens: IntArray
+    targets: IntArray
+    res: float
+    s_in: float
+
+
+def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
+    V, N = case.V, case.N
+    if case.composition == "distinct":
+        if N > V:
+            raise ValueError(f"case {case.name!r}: {N} distinct tokens need V >= N, got V={V}")
+        return rng.choice(V, size=N, replace=False)
+    if case.composition == "one-token":
+        return np.full(N, rng.integers(V))
+    if case.composition == "repeats":
+        k = min(case.distinct or max(1, N // 2), V, N)
+        pool = rng.choice(V, size=k, replace=False)
+        # Every pool token appears (exactly k distinct), the rest repeat them.
+        t = np.concatenate([pool, rng.choice(pool, size=N - k)])
+        if N > 1 and k == N:  # no room for a repeat otherwise
+            t[-1] = t[0]
+        return rng.permutation(t)
+    t = rng.integers(V, size=N)
+    if case.composition == "with-zero":
+        t[rng.integers(N)] = 0
+    return t
+
+
+def build(case: Case) -> Batch:
+    """Every array of a case, from its seed (weights at a scale where both paths matter)."""
+    rng = np.random.default_rng(case.seed)
+    dt = np.dtype(case.dtype)
+    E = rng.normal(size=(case.V, case.d)).astype(dt)
+    W = (rng.normal(size=(case.d, case.d)) / np.sqrt(case.d)).astype(dt)
+    b = rng.normal(size=case.V).astype(dt) if case.bias else None
+    if case.tokens is not None and case.targets is not None:
+        tokens = np.asarray(case.tokens, dtype=np.int64)
+        targets = np.asarray(case.targets, dtype=np.int64)
+    else:
+        tokens = _tokens(case, rng).astype(np.int64)
+        targets = rng.integers(case.V, size=case.N).astype(np.int64)
+    return Batch(E, W, b, tokens, targets, case.res, case.s_in)
+
+
+def case_seed(base: int, name: str) -> int:
+    """A stable per-case seed from the run's seed and the case name (same on every machine)."""
+    return (base * 1_000_003 + zlib.crc32(name.encode())) % (2**32)
+
+
+def standard_cases(seed: int) -> list[Case]:
+    """The seeded set ``tyingspec check TARGET`` runs: each covers one way bugs hide."""
+    specs = [
+        ("absent-tokens", dict(V=32, d=8, N=6, composition="distinct")),
+        ("repeated-tokens", dict(V=32, d=8, N=12, composition="repeats", distinct=4)),
+        ("one-token-repeated", dict(V=16, d=4, N=8, composition="one-token")),
+        ("n-greater-than-v", dict(V=5, d=3, N=20)),
+        ("v-equals-1", dict(V=1, d=3, N=4)),
+        ("v-equals-d", dict(V=6, d=6, N=8, composition="repeats", distinct=3)),
+        ("token-zero", dict(V=16, d=4, N=6, composition="with-zero")),
+        ("res-zero", dict(V=16, d=4, N=8, composition="repeats", distinct=5, res=0.0)),
+        ("s-in-not-1", dict(V=16, d=4, N=8, composition="repeats", distinct=5, res=0.7,
+                            s_in=2.5)),
+        ("no-bias", dict(V=16, d=4, N=8, composition="repeats", distinct=5, bias=False)),
+    ]
+    return [Case(name=name, seed=case_seed(seed, name), **kw) for name, kw in specs]  # type: ignore[arg-type]
+
+
+def kernel_inputs(batch: Batch) -> tuple[Parts, Paths]:
+    """Inputs of a kernel adapter taken from a real forward pass, and the reference paths."""
+    p = forward_parts(batch.E, batch.E, batch.W, batch.b, batch.tokens, batch.targets,
+                      batch.res, batch.s_in)
+    V = batch.E.shape[0]
+    rows = p.input_rows
+    paths = Paths(loss=p.loss, dE_in=scatter_rows(batch.tokens, rows.astype(np.float64), V),
+                  dE_out=p.g.astype(np.float64).T @ p.h.astype(np.float64), dW=p.dW, db=p.db,
+                  per_position=rows, tokens=batch.tokens)
+    return p, paths

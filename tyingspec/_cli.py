@@ -1,0 +1,149 @@
+"""The ``tyingspec`` command line: ``check`` (and ``reproduce``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip() != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 3,3,7; got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seed must be an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"seed must be >= 0, got {v}")
+    return v
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "check", help="verify a target's tied gradient row by row",
+        description="Without TARGET: run the built-in implementations and print the write-up's "
+                    "table. With TARGET (a built-in name or module:attr): run a seeded set of "
+                    "batches and diagnose each. Exit 0 all correct, 1 a gradient is wrong, "
+                    "2 usage or adapter error.")
+    p.add_argument("target", nargs="?", help="built-in name or module:attr")
+    p.add_argument("--kind", choices=("model", "kernel"), default="model")
+    p.add_argument("--seed", type=_seed, default=0, help="base seed (default 0)")
+    p.add_argument("--json", metavar="PATH", help="write a tyingspec.check/1 JSON report")
+    p.add_argument("--case", metavar="NAME", help="run only this case (replay)")
+    p.add_argument("--tokens", type=_int_list, help="replay: explicit tokens, e.g. 3,3")
+    p.add_argument("--targets", type=_int_list, help="replay: explicit targets, same length")
+    p.add_argument("--list", action="store_true", help="list built-in targets and cases")
+
+
+def _add_reproduce(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("reproduce", help="re-derive the weight-tying write-up's experiments")
+    try:
+        from ._reproduce import configure_parser
+    except ImportError:  # the experiments package is optional at import time of the CLI
+        return
+    configure_parser(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tyingspec", description="Verify tied-embedding gradients: which path, which rows.")
+    sub = parser.add_subparsers(dest="command")
+    _add_check(sub)
+    _add_reproduce(sub)
+    return parser
+
+
+def _list() -> int:
+    from ._cases import standard_cases
+    from ._implementations import REGISTRY
+
+    print("built-in targets:")
+    for impl in REGISTRY.values():
+        kinds = "/".join(k for k in ("model", "kernel") if impl.adapter(k) is not None)
+        breaks = f"breaks {impl.breaks}" if impl.breaks else "correct"
+        print(f"  {impl.name:<22} [{kinds}] {breaks}: {impl.description}")
+    print("cases run by `tyingspec check TARGET`:")
+    for c in standard_cases(0):
+        print(f"  {c.name:<20} {c.describe()}")
+    return EXIT_OK
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ._cases import standard_cases
+    from ._check import check_target
+    from ._report import as_json, render, write_json
+
+    if args.list:
+        return _list()
+    if args.target is None:
+        if args.case or args.tokens or args.targets:
+            parser.error("--case/--tokens/--targets need a TARGET")
+        from ._demo import run_demo, render_demo
+
+        demo = run_demo(args.seed)
+        print(render_demo(demo))
+        if args.json:
+            write_json(args.json, {"schema": "tyingspec.demo/1", "seed": args.seed,
+                                   "as_expected": demo.as_expected,
+                                   "results": {n: r.as_dict() for n, r in demo.results.items()}})
+        return EXIT_OK if demo.as_expected else EXIT_WRONG
+
+    cases = standard_cases(args.seed)
+    if args.case:
+        chosen = [c for c in cases if c.name == args.case]
+        if not chosen:
+            parser.error(f"--case: no case {args.case!r}; known: "
+                         + ", ".join(c.name for c in cases))
+        cases = chosen
+    if (args.tokens is None) != (args.targets is None):
+        parser.error("--tokens and --targets go together")
+    if args.tokens is not None:
+        if len(cases) != 1:
+            parser.error("--tokens/--targets need --case")
+        if len(args.tokens) != len(args.targets):
+            parser.error(f"--tokens has {len(args.tokens)} values, --targets "
+                         f"{len(args.targets)}; they must match")
+        V = cases[0].V
+        bad = [t for t in args.tokens + args.targets if not 0 <= t < V]
+        if bad:
+            parser.error(f"token ids must be in [0, {V}) for case {cases[0].name}; got {bad}")
+        cases = [replace(cases[0]).with_batch(np.asarray(args.tokens),
+                                              np.asarray(args.targets))]
+    report = check_target(args.target, args.kind, args.seed, cases)
+    print(render(report))
+    if args.json:
+        write_json(args.json, as_json(report))
+    return report.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tyingspec`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        return _check(args, parser)
+    if args.command == "reproduce":
+        from ._reproduce import run
+
+        return run(args)
+    parser.print_help()
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
