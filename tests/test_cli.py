@@ -1,0 +1,124 @@
+"""`tyingspec check`: the default table, verdicts and exit codes, JSON, replay, adapter errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tyingspec._cli import main
+
+WRITE_UP_TABLE = """\
+| gradient into E | wrong rows | rows still exactly right |
+|---|---|---|
+| both paths, += | 0 | 64 of 64 |
+| output path only | 8 | 56 of 64 (87.5%) |
+| input path only | 64 | 0 |"""
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("seed", ["0", "1", "17"])
+def test_default_check_prints_the_write_up_table_exactly(capsys: pytest.CaptureFixture[str],
+                                                         seed: str) -> None:
+    code, out = _run(capsys, "check", "--seed", seed)
+    assert code == 0
+    assert WRITE_UP_TABLE in out
+    assert "duplicates not accumulated" in out and "every built-in diagnosed as expected" in out
+
+
+def test_output_path_only_exits_1_and_names_exactly_the_batch_rows(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    code, out = _run(capsys, "check", "output-path-only", "--json", str(report))
+    assert code == 1
+    assert "input path missing" in out
+    data = json.loads(report.read_text())
+    assert data["schema"] == "tyingspec.check/1" and data["diagnosis"] == "input_path_missing"
+    from tyingspec import build, standard_cases
+
+    for case, row in zip(standard_cases(0), data["cases"]):
+        if row["status"] == "wrong":
+            tokens = sorted(set(build(case).tokens.tolist()))
+            assert row["wrong_rows"] == tokens, case.name
+            assert row["rows_exact"] == case.V - len(tokens)
+            for key in ("seed", "V", "d", "N", "rows_total", "rows_wrong", "max_abs_error",
+                        "max_rel_error"):
+                assert key in row
+
+
+def test_duplicates_variant_names_the_repeated_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _run(capsys, "check", "duplicates-buffered", "--case", "repeated-tokens")
+    assert code == 1
+    m = re.search(r"wrong rows are repeated tokens ([^)]*\)(?:, [^)]*\))*)", out)
+    assert m and "duplicates not accumulated" in out
+    assert "smallest failing batch: tokens=[" in out
+
+
+@pytest.mark.parametrize("kind", ["model", "kernel"])
+def test_correct_builtin_exits_0(capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    code, out = _run(capsys, "check", "tied", "--kind", kind)
+    assert code == 0, out
+    assert "verdict: correct" in out
+
+
+def test_replay_line_reproduces_the_shrunk_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out = _run(capsys, "check", "duplicates-buffered", "--case", "one-token-repeated")
+    replay = re.search(r"replay: (tyingspec check .*)", out)
+    assert replay
+    argv = replay.group(1).split()[1:]
+    code, out2 = _run(capsys, *argv)
+    assert code == 1 and "duplicates not accumulated" in out2
+    assert re.search(r"N=2 ", out2)
+
+
+BAD_ADAPTERS = {
+    "raises": ("def f(E, W, b, tokens, targets, *, res, s_in):\n"
+               "    raise RuntimeError('kernel launch failed')\n", "RuntimeError: kernel launch failed"),
+    "shape": ("import numpy as np\n"
+              "def f(E, W, b, tokens, targets, *, res, s_in):\n"
+              "    return {'loss': 0.0, 'dE': np.zeros((E.shape[1], E.shape[0])), "
+              "'dW': np.zeros_like(W), 'db': None if b is None else np.zeros_like(b)}\n",
+              "wrong shape"),
+    "nan": ("import numpy as np\n"
+            "def f(E, W, b, tokens, targets, *, res, s_in):\n"
+            "    return {'loss': 0.0, 'dE': np.full(E.shape, np.nan), 'dW': np.zeros_like(W), "
+            "'db': None if b is None else np.zeros_like(b)}\n", "non-finite"),
+}
+
+
+@pytest.mark.parametrize("which", sorted(BAD_ADAPTERS))
+def test_bad_adapters_exit_2_saying_which_and_why(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        which: str) -> None:
+    source, words = BAD_ADAPTERS[which]
+    mod = f"bad_adapter_{which}"
+    (tmp_path / f"{mod}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out = _run(capsys, "check", f"{mod}:f")
+    assert code == 2
+    assert f"adapter '{mod}:f'" in out and words in out
+    assert "ADAPTER ERROR" in out
+    sys.modules.pop(mod, None)
+
+
+def test_unimportable_target_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _run(capsys, "check", "no_such_pkg_abc.sub:f")
+    assert code == 2 and "cannot be imported" in out and "ModuleNotFoundError" in out
+
+
+@pytest.mark.parametrize("argv", [["check", "tied", "--tokens", "1,2"],
+                                  ["check", "tied", "--seed", "-3"],
+                                  ["check", "tied", "--case", "nope"],
+                                  ["check", "tied", "--kind", "banana"]])
+def test_usage_errors_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
