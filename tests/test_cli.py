@@ -122,3 +122,15 @@ def test_usage_errors_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
+
+
+def test_module_targets_are_found_from_the_current_directory(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cwd_adapter_mod.py").write_text(
+        "from tyingspec._implementations import REGISTRY\nf = REGISTRY['tied'].model\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    code, out = _run(capsys, "check", "cwd_adapter_mod:f")
+    assert code == 0, out
+    sys.modules.pop("cwd_adapter_mod", None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -103,6 +104,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                    "results": {n: r.as_dict() for n, r in demo.results.items()}})
         return EXIT_OK if demo.as_expected else EXIT_WRONG
 
+    # Like `python -m` and uvicorn: a `module:attr` target is looked up from the current directory.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     cases = standard_cases(args.seed)
     if args.case:
         chosen = [c for c in cases if c.name == args.case]
