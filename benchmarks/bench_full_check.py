@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-
 from tyingspec import Case, build, closed_form_paths, diagnose
 from tyingspec._implementations import REGISTRY
 

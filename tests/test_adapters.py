@@ -54,10 +54,10 @@ def test_torch_like_tensors_are_converted() -> None:
         def __init__(self, a: np.ndarray) -> None:
             self.a = a
 
-        def detach(self) -> "FakeTensor":
+        def detach(self) -> FakeTensor:
             return self
 
-        def cpu(self) -> "FakeTensor":
+        def cpu(self) -> FakeTensor:
             return self
 
         def numpy(self) -> np.ndarray:

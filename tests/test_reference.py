@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from tyingspec import Case, build, central_differences, closed_form_paths, symbolic_paths
+from tyingspec import (
+    Case,
+    build,
+    central_differences,
+    closed_form_paths,
+    symbolic_paths,
+)
 
 # Shapes the sympy derivation compiles in about a second or less (cached per worker).
 SYMBOLIC_SHAPES = [(1, 1), (1, 3), (2, 1), (2, 2), (3, 2), (3, 3), (4, 2), (5, 2), (4, 3)]

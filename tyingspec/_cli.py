@@ -94,7 +94,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.target is None:
         if args.case or args.tokens or args.targets:
             parser.error("--case/--tokens/--targets need a TARGET")
-        from ._demo import run_demo, render_demo
+        from ._demo import render_demo, run_demo
 
         demo = run_demo(args.seed)
         print(render_demo(demo))

@@ -41,7 +41,7 @@ def run_demo(seed: int) -> Demo:
 
 def render_demo(demo: Demo) -> str:
     batch = build(demo.case)
-    distinct = sorted(set(int(t) for t in batch.tokens))
+    distinct = sorted({int(t) for t in batch.tokens})
     lines = [
         f"tyingspec: the built-in tied model and its broken variants on one batch "
         f"(V = {demo.case.V}, d = {demo.case.d}, N = {demo.case.N} positions holding "

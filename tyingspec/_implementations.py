@@ -12,8 +12,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ._probe import Array, IntArray, flatten_batch, forward_parts, scatter_rows
 
 Combiner = Callable[[IntArray, Array, Array, Array, int], Array]

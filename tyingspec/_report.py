@@ -102,7 +102,7 @@ def _finite(x: Any) -> Any:
 
 
 def as_json(report: CheckReport) -> dict[str, Any]:
-    return _finite({
+    payload: dict[str, Any] = _finite({
         "schema": SCHEMA,
         "target": report.target,
         "kind": report.kind,
@@ -113,6 +113,7 @@ def as_json(report: CheckReport) -> dict[str, Any]:
         "load_error": report.load_error,
         "cases": [r.as_dict() for r in report.results],
     })
+    return payload
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ def _matrix(name: str, rows: int, cols: int) -> sp.Matrix:
     return sp.Matrix(rows, cols, lambda i, j: sp.Symbol(f"{name}_{i}_{j}", real=True))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
     """Compile (once per shape) one position's loss and its gradients as a numpy function.
 
@@ -56,7 +56,8 @@ def compiled(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
     outputs = [loss] + [sp.diff(loss, s) for s in wrt]
     args = [list(E_in), list(E_out), list(W), list(b) if has_bias else [], list(p), list(y),
             res, s_in]
-    return sp.lambdify(args, outputs, modules="numpy", cse=True)
+    fn: Callable[..., tuple[Any, ...]] = sp.lambdify(args, outputs, modules="numpy", cse=True)
+    return fn
 
 
 def symbolic_paths(

@@ -41,7 +41,8 @@ class Tolerance:
     dtype: str
 
     def close(self, actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
-        return np.abs(actual - expected) <= self.atol + self.rtol * np.abs(expected)
+        out: np.ndarray = np.abs(actual - expected) <= self.atol + self.rtol * np.abs(expected)
+        return out
 
     def describe(self) -> str:
         return f"atol={self.atol:.3g}, rtol={self.rtol:.3g} ({self.dtype})"
