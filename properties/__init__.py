@@ -7,9 +7,35 @@ Use them directly::
     from tyingspec.properties import PROPERTIES
     prop = PROPERTIES["sum_of_paths"]
     given(prop.strategy())(lambda case: prop.check(my_fn, "mymod:my_fn", "model", case))()
+
+Every property's docstring (``PROPERTIES[name].doc``) states its invariant.  ``cases`` is the
+strategy they draw from (see :mod:`tyingspec._strategies`); ``SIGNATURES`` are the mutant zoo's
+fingerprints, for tyingspec's own power tests (not user-facing properties).
 """
 
-from . import _gradients  # noqa: F401  (registers the properties)
-from ._core import PROPERTIES, Property, PropertyFailure, for_kind, register, require_power
+# Importing a module registers its properties; this order is the order they are listed and
+# run in (the gradient first, then its rows, then metamorphic and hygiene properties).
+# isort: off
+from . import _gradients  # noqa: F401
+from . import _rows  # noqa: F401
+from . import _relabel  # noqa: F401
+from . import _accumulation  # noqa: F401
+from . import _outputs  # noqa: F401
+from . import _hygiene  # noqa: F401
+from . import _tie  # noqa: F401
+from . import _kernel  # noqa: F401
+# isort: on
+from tyingspec._strategies import cases, compositions
 
-__all__ = ["PROPERTIES", "Property", "PropertyFailure", "for_kind", "register", "require_power"]
+from ._core import (
+    PROPERTIES,
+    Property,
+    PropertyFailure,
+    discard,
+    for_kind,
+    register,
+    require_power,
+)
+
+__all__ = ["PROPERTIES", "Property", "PropertyFailure", "cases", "compositions", "discard",
+           "for_kind", "register", "require_power"]

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import assume, event
+from hypothesis import assume, currently_in_test_context, event
 from hypothesis import strategies as st
+from hypothesis.errors import UnsatisfiedAssumption
 
 from tyingspec._cases import Case
 from tyingspec._diagnosis import Diagnosis
@@ -78,8 +79,17 @@ def register(name: str, invariant: str, kinds: tuple[str, ...],
 def require_power(diag: Diagnosis, *, input_path: bool = True, output_path: bool = True) -> None:
     """Discard an example that could not have caught a dropped path (recorded as an event)."""
     if (input_path and not diag.power.input_path) or (output_path and not diag.power.output_path):
-        event("discarded: no power (a dropped path would pass on this example)")
-        assume(False)
+        discard("no power (a dropped path would pass on this example)")
+
+
+def discard(reason: str) -> None:
+    """Reject an example that cannot be evidence (``hypothesis.assume(False)``), recording the
+    reason as a Hypothesis event inside a test; called directly, it raises
+    ``hypothesis.errors.UnsatisfiedAssumption``."""
+    if not currently_in_test_context():  # assume() outside a test is deprecated in Hypothesis
+        raise UnsatisfiedAssumption(f"discarded: {reason}")
+    event(f"discarded: {reason}")
+    assume(False)
 
 
 def for_kind(kind: str) -> list[Property]:

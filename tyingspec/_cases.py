@@ -14,7 +14,14 @@ import numpy as np
 
 from ._probe import Array, IntArray, Parts, Paths, forward_parts, scatter_rows
 
-COMPOSITIONS = ("random", "distinct", "repeats", "one-token", "with-zero")
+#: How the tokens of a batch are composed.  ``random``: uniform; ``distinct``: no repeats;
+#: ``repeats``: ``distinct`` tokens, each present, some repeated; ``one-token``: one token N times;
+#: ``with-zero``: uniform with token 0 present; ``multiplicity``: ``distinct`` tokens each seen
+#: exactly ``multiplicity`` times, plus N % multiplicity singletons; ``sparse``: like ``repeats``
+#: (``distinct`` tokens, all present) but without a forced repeat, for batches that leave most of
+#: the vocabulary absent; ``crowded``: uniform, meant for N > V; ``no-zero``: uniform over 1..V-1.
+COMPOSITIONS = ("random", "distinct", "repeats", "one-token", "with-zero", "multiplicity",
+                "sparse", "crowded", "no-zero")
 
 
 @dataclass(frozen=True)
@@ -34,11 +41,14 @@ class Case:
     dtype: str = "float64"
     tokens: tuple[int, ...] | None = None  # explicit batch (a replayed, shrunk one)
     targets: tuple[int, ...] | None = None
+    multiplicity: int | None = None  # for "multiplicity": copies of each repeated token
+    e_scale: float = 1.0  # E is drawn as N(0, 1) * e_scale; 0 makes every path vanish (vacuous)
 
     def describe(self) -> str:
         b = "with b" if self.bias else "no b"
+        scale = "" if self.e_scale == 1.0 else f" e_scale={self.e_scale:g}"
         return (f"V={self.V} d={self.d} N={self.N} res={self.res:g} s_in={self.s_in:g} {b} "
-                f"{self.dtype} seed={self.seed}")
+                f"{self.dtype}{scale} seed={self.seed}")
 
     def with_batch(self, tokens: IntArray, targets: IntArray) -> Case:
         return replace(self, N=int(tokens.shape[0]), tokens=tuple(int(t) for t in tokens),
@@ -72,6 +82,22 @@ def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
         if N > 1 and k == N:  # no room for a repeat otherwise
             t[-1] = t[0]
         return rng.permutation(t)
+    if case.composition == "multiplicity":
+        m = max(2, case.multiplicity or 2)
+        k, r = N // m, N % m
+        if k + r > V:
+            raise ValueError(f"case {case.name!r}: {k} tokens x{m} plus {r} singletons need "
+                             f"V >= {k + r}, got V={V}")
+        pool = rng.choice(V, size=k + r, replace=False)
+        return rng.permutation(np.concatenate([np.repeat(pool[:k], m), pool[k:]]))
+    if case.composition == "sparse":
+        k = min(case.distinct or max(1, V // 8), V, N)
+        pool = rng.choice(V, size=k, replace=False)
+        return rng.permutation(np.concatenate([pool, rng.choice(pool, size=N - k)]))
+    if case.composition == "no-zero":
+        if V < 2:
+            raise ValueError(f"case {case.name!r}: tokens without 0 need V >= 2, got V={V}")
+        return rng.integers(1, V, size=N)
     t = rng.integers(V, size=N)
     if case.composition == "with-zero":
         t[rng.integers(N)] = 0
@@ -82,7 +108,7 @@ def build(case: Case) -> Batch:
     """Every array of a case, from its seed (weights at a scale where both paths matter)."""
     rng = np.random.default_rng(case.seed)
     dt = np.dtype(case.dtype)
-    E = rng.normal(size=(case.V, case.d)).astype(dt)
+    E = (rng.normal(size=(case.V, case.d)) * case.e_scale).astype(dt)
     W = (rng.normal(size=(case.d, case.d)) / np.sqrt(case.d)).astype(dt)
     b = rng.normal(size=case.V).astype(dt) if case.bias else None
     if case.tokens is not None and case.targets is not None:

@@ -28,7 +28,12 @@ LABELS: dict[str, str] = {
     "duplicates_not_accumulated": "duplicates not accumulated: rows of repeated tokens got fewer "
                                   "than all of their occurrences",
     "path_scaled": "path scaled: a path enters with a stray factor",
+    "input_path_wrong": "input path wrong: rows of tokens absent from the batch are exactly "
+                        "right, rows of tokens in the batch are wrong",
+    "output_path_wrong": "output path wrong: rows of tokens absent from the batch, which carry "
+                         "only the output path, are wrong (not by a constant factor)",
     "other_gradient_wrong": "dE is right but another output (loss, dW or db) is wrong",
+    "inputs_mutated": "the gradients are right but the implementation wrote into its inputs",
     "unknown": "wrong, unexplained by the catalogue: see the wrong rows",
 }
 
@@ -186,11 +191,16 @@ def diagnose(
     *,
     dtype: object = None,
     others: list[ArrayCheck] | None = None,
+    mutated: tuple[str, ...] = (),
+    scale: float = 0.0,
 ) -> Diagnosis:
     """Compare ``dE`` with the reference ``paths`` row by row and name what is wrong.
 
     ``dtype`` is the precision the implementation worked in (sets the tolerance); it defaults
-    to the dtype of ``dE``.
+    to the dtype of ``dE``.  ``others`` are checks of the other outputs and ``mutated`` the
+    names of inputs the implementation wrote into; either turns a right dE into a wrong verdict.
+    ``scale`` is an extra magnitude atol is anchored on (e.g. a bound on |dE| that holds
+    whatever cancels inside g), so rounding of a near-zero gradient is not called wrong.
     """
     raw = np.asarray(dE)
     actual = raw.astype(np.float64)
@@ -198,7 +208,7 @@ def diagnose(
     d_out = np.asarray(paths.dE_out, dtype=np.float64)
     ref = d_in + d_out
     V = ref.shape[0]
-    tol = tolerance_for(dtype if dtype is not None else raw.dtype, ref, d_in, d_out)
+    tol = tolerance_for(dtype if dtype is not None else raw.dtype, ref, d_in, d_out, scale)
     tokens = paths.tokens
     uniq, counts = np.unique(tokens, return_counts=True)
     repeated = {int(u): int(c) for u, c in zip(uniq, counts) if c > 1}
@@ -272,16 +282,39 @@ def diagnose(
             label = "duplicates_not_accumulated"
         elif whole(a * d_in + c * d_out):
             label, detail, scales = "path_scaled", _describe_scales(a, c), (a, c)
-        elif only_repeated:  # some other loss of occurrences (e.g. a racy scatter)
+        elif only_repeated and set(causes) != {"input path missing"}:
+            # some other loss of occurrences (e.g. a racy scatter); rows that lost *every*
+            # occurrence are a masked row (padding), not a duplicate bug: handled below
             label = "duplicates_not_accumulated"
         if label == "duplicates_not_accumulated":
             detail = (f"{kept[0]}; " if kept else "") + "wrong rows are repeated tokens " + \
                 ", ".join(f"{r} (x{repeated[r]})" for r in wrong_rows)
 
+    present = np.zeros(V, dtype=bool)
+    present[uniq] = True
+    masked = set(causes) == {"input path missing"}
+    if label == "unknown" and (masked or not present.all()):
+        # Absent rows carry the output path alone, so the row pattern says which path is wrong;
+        # present rows holding exactly the output path lost their input path (a masked row).
+        absent_wrong = [r for r in wrong_rows if not present[r]]
+        n_absent = int((~present).sum())
+        if absent_wrong:
+            label = "output_path_wrong"
+            detail = f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong"
+        else:
+            label = "input_path_wrong"
+            detail = (f"all {_n(n_absent, 'absent row')} exact; " if n_absent else "") + \
+                f"{len(wrong_rows)} of {_n(len(uniq), 'present row')} wrong"
+            if masked:
+                detail += f"; rows {wrong_rows} hold the output path only (input path masked)"
+
     others = list(others or [])
     if label in ("correct", "no_power") and any(not o.ok for o in others):
         label = "other_gradient_wrong"
         detail = "; ".join(o.describe() for o in others if not o.ok)
+    if label in ("correct", "no_power") and mutated:
+        label = "inputs_mutated"
+        detail = "wrote into " + ", ".join(mutated)
 
     return Diagnosis(
         label=label, detail=detail, rows_total=V, rows_wrong=len(wrong_rows),

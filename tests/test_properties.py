@@ -1,0 +1,267 @@
+"""Each property holds for every correct implementation and catches the mutant it targets,
+naming it; the strategies draw every composition they promise; properties import from an
+installed tyingspec."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import UnsatisfiedAssumption
+from tyingspec.properties import PROPERTIES, PropertyFailure
+
+from tyingspec import LABELS, REGISTRY, Case, build
+from tyingspec._cases import COMPOSITIONS
+from tyingspec._power import KILLED, run_property
+from tyingspec._strategies import cases
+
+PROPERTIES_DIR = Path(__file__).resolve().parents[1] / "properties"
+
+EXPECTED_PROPERTIES = [
+    "sum_of_paths", "absent_rows_are_output_path", "repeated_tokens_accumulate",
+    "relabelling_permutes_rows", "micro_batches_accumulate", "loss_dW_db_right",
+    "inputs_untouched", "same_call_same_gradient", "tie_survives_a_step", "linear_in_dx",
+    "linear_in_g",
+]
+CORRECT = sorted(n for n, impl in REGISTRY.items() if impl.correct)
+# (property, kind, correct implementation): every applicable combination, a static list.
+PASSING = [(p, k, n) for p in EXPECTED_PROPERTIES for k in ("model", "kernel")
+           for n in CORRECT if k in PROPERTIES[p].kinds and REGISTRY[n].adapter(k) is not None]
+
+# The mutant each property is built to catch, and the diagnosis its failure must carry.
+TARGETS: list[tuple[str, str, str, set[str]]] = [
+    ("sum_of_paths", "model", "output-path-only", {"input_path_missing"}),
+    ("sum_of_paths", "kernel", "input-path-only", {"output_path_missing"}),
+    ("absent_rows_are_output_path", "model", "input-path-only", {"output_path_missing"}),
+    ("absent_rows_are_output_path", "kernel", "logit-scale-dropped", {"path_scaled"}),
+    ("repeated_tokens_accumulate", "model", "duplicates-buffered",
+     {"duplicates_not_accumulated"}),
+    ("repeated_tokens_accumulate", "kernel", "duplicates-first-only",
+     {"duplicates_not_accumulated"}),
+    ("relabelling_permutes_rows", "model", "padding-row-masked",
+     {"input_path_missing", "input_path_wrong"}),
+    ("relabelling_permutes_rows", "kernel", "padding-row-masked",
+     {"input_path_missing", "input_path_wrong"}),
+    ("micro_batches_accumulate", "model", "input-path-sum-not-mean", {"path_scaled"}),
+    ("micro_batches_accumulate", "kernel", "duplicates-last-only",
+     {"duplicates_not_accumulated"}),
+    ("loss_dW_db_right", "model", "db-sum-not-mean", {"other_gradient_wrong"}),
+    ("inputs_untouched", "model", "sorts-tokens-in-place", {"inputs_mutated"}),
+    ("inputs_untouched", "kernel", "sorts-tokens-in-place", {"inputs_mutated"}),
+    ("same_call_same_gradient", "model", "grad-not-zeroed", {"path_scaled"}),
+    ("same_call_same_gradient", "kernel", "grad-not-zeroed", {"path_scaled"}),
+    # tiny shrunk batches can make a diverged head look like a scaled path
+    ("tie_survives_a_step", "model", "copy-tie", {"output_path_wrong", "path_scaled"}),
+    ("linear_in_dx", "kernel", "grad-not-zeroed", set(LABELS)),
+    ("linear_in_g", "kernel", "grad-not-zeroed", set(LABELS)),
+]
+
+
+def test_every_property_is_registered_with_a_statement_and_its_kinds() -> None:
+    assert list(PROPERTIES) == EXPECTED_PROPERTIES
+    for prop in PROPERTIES.values():
+        assert len(prop.doc) > 40, prop.name
+        assert set(prop.kinds) <= {"model", "kernel"} and prop.kinds
+        assert prop.invariant.isupper()
+    assert {p for p in PROPERTIES if PROPERTIES[p].kinds == ("kernel",)} == {"linear_in_dx",
+                                                                           "linear_in_g"}
+
+
+@pytest.mark.parametrize("prop,kind,name", PASSING, ids=lambda v: str(v))
+def test_property_holds_for_a_correct_implementation(prop: str, kind: str, name: str) -> None:
+    p = PROPERTIES[prop]
+    fn = REGISTRY[name].adapter(kind)
+
+    @given(p.strategy())
+    def check(case: Case) -> None:
+        p.check(fn, name, kind, case)
+
+    check()
+
+
+@pytest.mark.parametrize("prop,kind,mutant,labels", TARGETS,
+                         ids=[f"{p}-{k}-{m}" for p, k, m, _ in TARGETS])
+def test_property_catches_its_target_mutant_with_the_right_diagnosis(
+        prop: str, kind: str, mutant: str, labels: set[str]) -> None:
+    cell = run_property(PROPERTIES[prop], REGISTRY[mutant], kind, max_examples=40)
+    assert cell.status == KILLED, cell
+    assert cell.label in labels, cell.message
+    assert cell.case is not None and cell.case.tokens is not None  # the batch, spelled out
+    assert f"property {prop} does not hold" in cell.message
+    assert f"tokens={list(cell.case.tokens)}" in cell.message
+
+
+def test_a_failure_message_puts_the_diagnosis_first_then_the_rows_then_the_batch() -> None:
+    case = Case("m", V=12, d=3, N=4, seed=5, composition="distinct")
+    with pytest.raises(PropertyFailure) as info:
+        PROPERTIES["sum_of_paths"].check(REGISTRY["output-path-only"].model, "output-path-only",
+                                         "model", case)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("property sum_of_paths does not hold")
+    assert lines[1].startswith("diagnosis: input path missing")
+    assert lines[2].startswith("rows: 4 wrong of 12")
+    assert lines[-1].startswith("batch: V=12 d=3 N=4") and "tokens=[" in lines[-1]
+    assert info.value.label == "input_path_missing"
+
+
+def test_absent_rows_property_lets_a_dropped_input_path_pass_as_it_should() -> None:
+    # Dropping the input path leaves every absent row exact: this property alone cannot see it.
+    cell = run_property(PROPERTIES["absent_rows_are_output_path"], REGISTRY["output-path-only"],
+                        "model", max_examples=40)
+    assert cell.status == "survived"
+
+
+def test_an_example_without_power_is_discarded_not_counted() -> None:
+    vacuous = Case("zero-E", V=8, d=3, N=5, seed=2, e_scale=0.0)
+    for name in ("sum_of_paths", "absent_rows_are_output_path", "micro_batches_accumulate"):
+        with pytest.raises(UnsatisfiedAssumption):
+            PROPERTIES[name].check(REGISTRY["output-path-only"].model, "output-path-only",
+                                   "model", vacuous)
+    with pytest.raises(UnsatisfiedAssumption):  # V = 1: g = 0, both paths vanish
+        PROPERTIES["sum_of_paths"].check(REGISTRY["input-path-only"].kernel, "input-path-only",
+                                         "kernel", Case("v1", V=1, d=2, N=3, seed=0))
+
+
+def test_a_float32_implementation_is_judged_at_float32_and_float64_one_at_float64() -> None:
+    case64 = Case("f", V=10, d=4, N=6, seed=3, composition="repeats", distinct=3)
+    # float32 end to end on float64 inputs: judged at float32 by the dtype it returns
+    PROPERTIES["sum_of_paths"].check(REGISTRY["tied-float32"].model, "tied-float32", "model",
+                                     case64)
+
+    tied = REGISTRY["tied"].model
+    assert tied is not None
+
+    def rounded(*a, **k):  # type: ignore[no-untyped-def]
+        out = dict(tied(*a, **k))
+        out["dE"] = out["dE"] * (1 + 1e-6)  # float32-sized error, claimed as float64
+        return out
+
+    with pytest.raises(PropertyFailure):
+        PROPERTIES["sum_of_paths"].check(rounded, "rounded", "model", case64)
+
+
+def test_dropped_input_path_is_caught_on_every_drawn_float32_batch_with_power() -> None:
+    prop = PROPERTIES["sum_of_paths"]
+    fn = REGISTRY["output-path-only"].model
+    seen = Counter[str]()
+
+    @settings(suppress_health_check=list(HealthCheck))
+    @given(cases(dtypes=("float32",)))
+    def check(case: Case) -> None:
+        try:
+            prop.check(fn, "output-path-only", "model", case)
+        except PropertyFailure as exc:
+            seen[exc.label] += 1
+            return
+        except UnsatisfiedAssumption:
+            raise
+        raise AssertionError(f"passed at float32: {case}")
+
+    check()
+    assert set(seen) == {"input_path_missing"}
+
+
+# --- strategies ---------------------------------------------------------------------------------
+
+@given(cases())
+def test_drawn_cases_build_and_keep_their_composition_promises(case: Case) -> None:
+    b = build(case)
+    t = b.tokens
+    assert t.shape == (case.N,) and 0 <= t.min() and t.max() < case.V
+    assert b.E.dtype == np.dtype(case.dtype)
+    uniq, counts = np.unique(t, return_counts=True)
+    if case.composition == "distinct":
+        assert counts.max() == 1
+    elif case.composition == "one-token":
+        assert uniq.size == 1 and case.N >= 2
+    elif case.composition == "repeats":
+        assert counts.max() >= 2
+    elif case.composition == "multiplicity":
+        assert case.multiplicity is not None and set(counts) <= {1, case.multiplicity}
+        assert (counts == case.multiplicity).sum() == case.N // case.multiplicity
+    elif case.composition == "sparse":
+        assert uniq.size <= case.V // 4, "most of the vocabulary must be absent"
+    elif case.composition == "crowded":
+        assert case.N > case.V
+    elif case.composition == "with-zero":
+        assert 0 in t
+    elif case.composition == "no-zero":
+        assert 0 not in t
+    if case.e_scale == 0.0:
+        assert not b.E.any()
+
+
+def test_the_strategy_draws_every_composition_shape_and_setting_it_promises() -> None:
+    # A quality test of the distribution (like the kill matrix): it needs a fixed, derandomized
+    # number of draws, so it pins its own settings instead of following the profile.
+    seen: dict[str, set[object]] = {k: set() for k in
+                                    ("composition", "res", "s_in", "bias", "dtype", "square",
+                                     "e_scale", "v1")}
+
+    @settings(max_examples=400, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(cases())
+    def draw(case: Case) -> None:
+        seen["composition"].add(case.composition)
+        seen["res"].add(case.res)
+        seen["s_in"].add(case.s_in)
+        seen["bias"].add(case.bias)
+        seen["dtype"].add(case.dtype)
+        seen["square"].add(case.V == case.d)
+        seen["e_scale"].add(case.e_scale)
+        seen["v1"].add(case.V == 1)
+
+    draw()
+    assert seen["composition"] == set(COMPOSITIONS)
+    assert seen["res"] == {0.0, 1.0, 0.6} and seen["s_in"] == {1.0, 1.7, 0.4}
+    assert seen["bias"] == {True, False} and seen["dtype"] == {"float64", "float32"}
+    assert seen["square"] == {True, False} and seen["e_scale"] == {0.0, 1.0}
+    assert seen["v1"] == {True, False}
+
+
+def test_strategy_bounds_are_honoured_and_impossible_compositions_are_refused() -> None:
+    @settings(max_examples=100, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(cases(max_vocab=6, max_width=3, max_len=5, min_len=2, min_vocab=2, degenerate=False))
+    def bounded(case: Case) -> None:
+        assert 2 <= case.V <= 6 and 1 <= case.d <= 3 and 2 <= case.N <= 5
+        assert case.composition != "sparse" and case.e_scale == 1.0
+
+    bounded()
+    with pytest.raises(ValueError, match="no composition"):
+        cases(max_vocab=4, compositions=("sparse",))
+    with pytest.raises(ValueError, match="unknown compositions"):
+        cases(compositions=("shuffled",))
+
+
+def test_shrinking_ends_at_a_small_readable_batch() -> None:
+    cell = run_property(PROPERTIES["sum_of_paths"], REGISTRY["duplicates-buffered"], "model",
+                        max_examples=60)
+    assert cell.case is not None and cell.case.tokens is not None
+    assert cell.case.N <= 3 and cell.case.V <= 4 and cell.case.d <= 2, cell.case
+    assert len(set(cell.case.tokens)) < cell.case.N  # still a repeated token: the bug's trigger
+
+
+# --- packaging ----------------------------------------------------------------------------------
+
+def test_property_modules_import_tyingspec_never_the_repository_layout() -> None:
+    for path in sorted(PROPERTIES_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert not (node.module or "").startswith("properties"), path.name
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("properties") for a in node.names), path.name
+
+
+def test_properties_import_as_tyingspec_properties_from_any_directory(tmp_path: Path) -> None:
+    code = ("import tyingspec.properties as p, tyingspec; "
+            "assert 'sum_of_paths' in p.PROPERTIES and len(p.PROPERTIES) >= 11; "
+            "print(p.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "tyingspec.properties"
