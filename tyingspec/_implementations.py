@@ -141,3 +141,7 @@ def builtin(name: str) -> Implementation:
         raise KeyError(f"no built-in implementation {name!r}; known: {known}") from None
 
 
+
+
+# The mutant zoo and the correct styles register themselves here, so REGISTRY always has them.
+from . import _mutants  # noqa: E402,F401

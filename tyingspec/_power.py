@@ -1,0 +1,372 @@
+"""Power, shown: the kill matrix of every property against every mutant in the zoo.
+
+For each mutant and each kind it comes in, every user-facing property that applies to the kind
+is run with Hypothesis (derandomized unless a seed is given, bounded examples, no database).
+A property *kills* a mutant when it raises :class:`PropertyFailure`; Hypothesis then shrinks the
+batch, and the shrunk batch (``PropertyFailure.case``, tokens spelled out) is recorded.  The
+mutation score is the share of (mutant, kind) rows killed by at least one property; every
+correct implementation (the built-ins and the styles) must pass every property on the same
+examples.  ``tyingspec mutants`` prints the matrix and exits 0 only when the score is 100% and
+every style passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Flaky, Unsatisfiable, UnsatisfiedAssumption
+from hypothesis.strategies import SearchStrategy
+
+from ._adapters import AdapterError
+from ._cases import Case
+from ._implementations import REGISTRY, Implementation
+
+SCHEMA = "tyingspec.mutants/1"
+KINDS = ("model", "kernel")
+DEFAULT_MAX_EXAMPLES = 30
+
+KILLED, SURVIVED, PASSED, FAILED, ERROR, NO_EVIDENCE = (
+    "killed", "survived", "passed", "failed", "error", "no_evidence")
+
+
+@dataclass
+class Cell:
+    """One property run against one implementation (of one kind)."""
+
+    prop: str
+    status: str  # killed/survived for a mutant, passed/failed for a style; error; no_evidence
+    examples: int  # examples that ran to completion (passed) or failed; discards excluded
+    discarded: int
+    seconds: float
+    case: Case | None = None  # the shrunk batch that failed
+    label: str | None = None  # the failure's diagnosis label
+    message: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status in (KILLED, FAILED)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "examples": self.examples, "discarded": self.discarded,
+                "seconds": round(self.seconds, 3), "label": self.label,
+                "batch": None if self.case is None else batch_dict(self.case),
+                "message": self.message}
+
+
+@dataclass
+class Row:
+    """An implementation of one kind and its cells, one per applicable property."""
+
+    name: str
+    kind: str
+    breaks: str | None
+    expected: str
+    cells: dict[str, Cell] = field(default_factory=dict)
+
+    @property
+    def correct(self) -> bool:
+        return self.breaks is None
+
+    @property
+    def killed_by(self) -> list[str]:
+        return [p for p, c in self.cells.items() if c.failed]
+
+    @property
+    def ok(self) -> bool:
+        """A mutant row is ok when killed; a style row when every property passed."""
+        if self.correct:
+            return all(c.status == PASSED for c in self.cells.values())
+        return bool(self.killed_by)
+
+    def smallest(self) -> Cell | None:
+        """The killing cell with the smallest shrunk batch (fewest positions, then V, then d)."""
+        kills = [c for c in self.cells.values() if c.failed and c.case is not None]
+        if not kills:
+            return None
+        return min(kills, key=lambda c: (c.case.N, c.case.V, c.case.d))  # type: ignore[union-attr]
+
+    def as_dict(self) -> dict[str, Any]:
+        small = self.smallest()
+        return {"name": self.name, "kind": self.kind, "breaks": self.breaks,
+                "expected": self.expected, "ok": self.ok, "killed_by": self.killed_by,
+                "smallest": None if small is None else
+                {"property": small.prop, "label": small.label,
+                 "batch": batch_dict(small.case)},  # type: ignore[arg-type]
+                "cells": {p: c.as_dict() for p, c in self.cells.items()}}
+
+
+@dataclass
+class PowerReport:
+    """The kill matrix, the styles' results, and the verdict."""
+
+    properties: list[tuple[str, str, tuple[str, ...]]]  # (name, invariant, kinds)
+    mutants: list[Row]
+    styles: list[Row]
+    max_examples: int
+    seed: int | None
+    seconds: float = 0.0
+
+    @property
+    def killed(self) -> int:
+        return sum(r.ok for r in self.mutants)
+
+    @property
+    def score(self) -> float:
+        return self.killed / len(self.mutants) if self.mutants else 1.0
+
+    @property
+    def styles_pass(self) -> bool:
+        return all(r.ok for r in self.styles)
+
+    @property
+    def ok(self) -> bool:
+        return self.killed == len(self.mutants) and self.styles_pass
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "max_examples": self.max_examples, "seed": self.seed,
+                "derandomized": self.seed is None, "seconds": round(self.seconds, 2),
+                "properties": [{"name": n, "invariant": i, "kinds": list(k)}
+                               for n, i, k in self.properties],
+                "score": self.score, "killed": self.killed, "total": len(self.mutants),
+                "styles_pass": self.styles_pass, "ok": self.ok,
+                "mutants": [r.as_dict() for r in self.mutants],
+                "styles": [r.as_dict() for r in self.styles]}
+
+
+def batch_dict(case: Case) -> dict[str, Any]:
+    """A shrunk batch as builtin types (JSON- and xdist-safe)."""
+    return {"V": case.V, "d": case.d, "N": case.N, "seed": case.seed, "res": case.res,
+            "s_in": case.s_in, "bias": case.bias, "dtype": case.dtype,
+            "composition": case.composition, "e_scale": case.e_scale,
+            "tokens": list(case.tokens or ()), "targets": list(case.targets or ())}
+
+
+def batch_text(case: Case) -> str:
+    return (f"tokens={list(case.tokens or ())} targets={list(case.targets or ())} "
+            f"({case.describe()})")
+
+
+def run_property(prop: Any, impl: Implementation, kind: str, *, max_examples: int,
+                 seed: int | None = None) -> Cell:
+    """Run one property against one implementation with Hypothesis; stop at the first failure
+    (then shrink it).  State of stateful mutants is reset first, so runs do not interact."""
+    from tyingspec.properties import PropertyFailure
+
+    from . import _mutants
+
+    _mutants.reset_state()
+    fn = impl.adapter(kind)
+    counts = {"examples": 0, "discarded": 0}
+
+    def body(case: Case) -> None:
+        try:
+            prop.check(fn, impl.name, kind, case)
+        except UnsatisfiedAssumption:
+            counts["discarded"] += 1
+            raise
+        except BaseException:
+            counts["examples"] += 1
+            raise
+        counts["examples"] += 1
+
+    budget = settings(
+        max_examples=max_examples, derandomize=seed is None, database=None, deadline=None,
+        phases=(Phase.explicit, Phase.generate, Phase.shrink), report_multiple_bugs=False,
+        verbosity=Verbosity.quiet, print_blob=False, suppress_health_check=list(HealthCheck))
+    strategy: SearchStrategy[Case] = prop.strategy()
+    test: Callable[[], None] = budget(given(strategy)(body))
+    if seed is not None:
+        test = hypothesis_seed(seed)(test)
+    bad, good = (KILLED, SURVIVED) if not impl.correct else (FAILED, PASSED)
+    t0 = time.perf_counter()
+
+    def cell(status: str, **kw: Any) -> Cell:
+        return Cell(prop.name, status, counts["examples"], counts["discarded"],
+                    time.perf_counter() - t0, **kw)
+
+    try:
+        test()
+    except PropertyFailure as exc:
+        return cell(bad, case=exc.case, label=exc.label, message=str(exc))
+    except AdapterError as exc:
+        return cell(ERROR, message=str(exc))
+    except Unsatisfiable as exc:
+        return cell(NO_EVIDENCE, message=str(exc))
+    except Flaky as exc:  # a stateful implementation failing only on some replays: still a kill
+        inner = _first_failure(exc)
+        if inner is not None:
+            return cell(bad, case=inner.case, label=inner.label, message=f"flaky: {inner}")
+        return cell(bad, message=f"flaky: {exc}")
+    return cell(good)
+
+
+def _first_failure(exc: BaseException) -> Any:
+    from tyingspec.properties import PropertyFailure
+
+    if isinstance(exc, PropertyFailure):
+        return exc
+    for sub in getattr(exc, "exceptions", ()):
+        found = _first_failure(sub)
+        if found is not None:
+            return found
+    return None
+
+
+def run_row(impl: Implementation, kind: str, *, max_examples: int,
+            seed: int | None = None, properties: Iterable[str] | None = None) -> Row:
+    """Every applicable property against one implementation of one kind."""
+    from tyingspec.properties import for_kind
+
+    wanted = None if properties is None else set(properties)
+    row = Row(impl.name, kind, impl.breaks, impl.expected)
+    for prop in for_kind(kind):
+        if wanted is None or prop.name in wanted:
+            row.cells[prop.name] = run_property(prop, impl, kind, max_examples=max_examples,
+                                                seed=seed)
+    return row
+
+
+def targets(kinds: Sequence[str] = KINDS, names: Iterable[str] | None = None
+            ) -> list[tuple[Implementation, str]]:
+    """(implementation, kind) pairs to run: every registry entry in every kind it has."""
+    chosen = list(REGISTRY.values()) if names is None else [REGISTRY[n] for n in names]
+    return [(impl, k) for impl in chosen for k in kinds if impl.adapter(k) is not None]
+
+
+def kill_matrix(*, kinds: Sequence[str] = KINDS, max_examples: int = DEFAULT_MAX_EXAMPLES,
+                seed: int | None = None, names: Iterable[str] | None = None) -> PowerReport:
+    """Run every property against every mutant and every correct implementation."""
+    from tyingspec.properties import PROPERTIES
+
+    t0 = time.perf_counter()
+    mutants: list[Row] = []
+    styles: list[Row] = []
+    for impl, kind in targets(kinds, names):
+        row = run_row(impl, kind, max_examples=max_examples, seed=seed)
+        (styles if impl.correct else mutants).append(row)
+    props = [(p.name, p.invariant, p.kinds) for p in PROPERTIES.values()
+             if any(k in p.kinds for k in kinds)]
+    return PowerReport(props, mutants, styles, max_examples, seed, time.perf_counter() - t0)
+
+
+def render(report: PowerReport) -> str:
+    """The kill matrix as text: rows mutant/kind, one column per property, then the verdict."""
+    props = [p for p, _, _ in report.properties]
+    mode = "derandomized" if report.seed is None else f"seed {report.seed}"
+    lines = [(f"tyingspec mutants: {len(report.mutants)} mutant forms x {len(props)} "
+              f"properties, at most {report.max_examples} examples per property ({mode}, "
+              f"{report.seconds:.1f} s)"), ""]
+    for i, (name, inv, kinds) in enumerate(report.properties, 1):
+        lines.append(f"  [{i:>2}] {name} ({inv}; {'/'.join(kinds)})")
+    lines += ["", ("kill matrix: K killed, . survived, E adapter error, ? no evidence, "
+                   "blank: does not apply to the kind")]
+    width = max([len(f"{r.name} ({r.kind})") for r in report.mutants + report.styles] + [10])
+    head = " ".join(f"{i:>2}" for i in range(1, len(props) + 1))
+    lines.append(f"  {'mutant (kind)':<{width}}  {head}  killed by")
+    mark = {KILLED: "K", SURVIVED: ".", PASSED: ".", FAILED: "F", ERROR: "E", NO_EVIDENCE: "?"}
+    for r in report.mutants:
+        cells = " ".join(f"{mark[r.cells[p].status] if p in r.cells else '':>2}" for p in props)
+        lines.append(f"  {r.name + ' (' + r.kind + ')':<{width}}  {cells}  {len(r.killed_by)}"
+                     + ("" if r.ok else "  SURVIVED"))
+    lines += ["", (f"mutation score: {report.killed}/{len(report.mutants)} = "
+                   f"{100.0 * report.score:.1f}%"), "", "smallest batch that killed each mutant:"]
+    for r in report.mutants:
+        small = r.smallest()
+        if small is None or small.case is None:
+            lines.append(f"  {r.name} ({r.kind}): survived every property")
+            continue
+        lines.append(f"  {r.name} ({r.kind}) by {small.prop} [{small.label}]: "
+                     f"{batch_text(small.case)}")
+    lines += ["", "correct implementations (every property must pass): F failed, . passed"]
+    for r in report.styles:
+        cells = " ".join(f"{mark[r.cells[p].status] if p in r.cells else '':>2}" for p in props)
+        lines.append(f"  {r.name + ' (' + r.kind + ')':<{width}}  {cells}  "
+                     + ("ok" if r.ok else "FAILED"))
+        for p, c in r.cells.items():
+            if c.status != PASSED:
+                lines.append(f"      {p}: {c.message.splitlines()[0] if c.message else c.status}")
+                if c.case is not None:
+                    lines.append(f"      smallest failing batch: {batch_text(c.case)}")
+    lines.append("")
+    lines.append("OK: every mutant killed, every correct implementation passes" if report.ok else
+                 "NOT OK: " + ("; ".join(
+                     ([f"{len(report.mutants) - report.killed} mutant(s) survived"]
+                      if report.killed < len(report.mutants) else [])
+                     + ([] if report.styles_pass else ["a correct implementation failed"]))))
+    return "\n".join(lines)
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seed must be an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"seed must be >= 0, got {v}")
+    return v
+
+
+def _mutant_name(text: str) -> str:
+    if text not in REGISTRY:
+        raise argparse.ArgumentTypeError(
+            f"no implementation {text!r}; known: {', '.join(sorted(REGISTRY))}")
+    return text
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Options of ``tyingspec mutants``."""
+    p.description = p.description or (
+        "Run every property against every mutant in the zoo and every correct implementation: "
+        "print the kill matrix (mutant x property), the mutation score and the smallest batch "
+        "that killed each mutant. Exit 0 when the score is 100% and every correct "
+        "implementation passes, 1 otherwise.")
+    p.add_argument("--kind", choices=("model", "kernel", "all"), default="all",
+                   help="adapter kinds to run (default: all)")
+    p.add_argument("--json", metavar="PATH", help=f"write a {SCHEMA} JSON report")
+    p.add_argument("--max-examples", type=_positive, default=DEFAULT_MAX_EXAMPLES,
+                   metavar="N", help="Hypothesis examples per property and implementation "
+                                     f"(default {DEFAULT_MAX_EXAMPLES})")
+    p.add_argument("--seed", type=_seed, default=None,
+                   help="Hypothesis seed (default: derandomized, the same examples every run)")
+    p.add_argument("--only", type=_mutant_name, action="append", metavar="NAME",
+                   help="run only this implementation (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``tyingspec mutants``; returns the exit status."""
+    kinds = KINDS if args.kind == "all" else (args.kind,)
+    report = kill_matrix(kinds=kinds, max_examples=args.max_examples, seed=args.seed,
+                         names=args.only)
+    print(render(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    return 0 if report.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tyingspec._power``: the same as ``tyingspec mutants``."""
+    parser = argparse.ArgumentParser(prog="tyingspec mutants")
+    configure_parser(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
