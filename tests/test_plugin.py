@@ -1,0 +1,374 @@
+"""The pytest plugin, end to end: scratch repositories holding only an adapter module, run with
+``pytest --tyingspec-adapter=...`` in a subprocess, with and without ``-n 2``."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from hypothesis import Phase
+from tyingspec.properties import for_kind
+
+from tyingspec._baseline import apply_check_baseline, load
+from tyingspec._cases import standard_cases
+from tyingspec._check import check_target
+from tyingspec._suite import profile_settings
+
+pytest_plugins = ["pytester"]
+
+ADAPTERS = textwrap.dedent('''
+    """A user's adapters: tyingspec's correct and broken built-ins, re-exported."""
+    from tyingspec import REGISTRY
+
+    correct_model = REGISTRY["tied"].model
+    output_path_only_model = REGISTRY["output-path-only"].model
+    correct_kernel = REGISTRY["tied"].kernel
+    output_path_only_kernel = REGISTRY["output-path-only"].kernel
+    input_path_only_kernel = REGISTRY["input-path-only"].kernel
+    duplicates_buffered_kernel = REGISTRY["duplicates-buffered"].kernel
+    output_path_overwritten_kernel = REGISTRY["output-path-overwritten"].kernel
+
+
+    def wrong_shape_model(E, W, b, tokens, targets, *, res, s_in):
+        out = dict(correct_model(E, W, b, tokens, targets, res=res, s_in=s_in))
+        out["dE"] = out["dE"][:, :-1]
+        return out
+''')
+
+# Few examples keep the file fast; the derandomized ci profile keeps timings and outcomes the
+# same from run to run.  A broken kernel fails on the first examples anyway.
+FAST = ("--tyingspec-profile=ci", "--tyingspec-max-examples=10")
+XDIST = [pytest.param((), id="in-process"), pytest.param(("-n", "2"), id="xdist-n2")]
+
+
+@pytest.fixture
+def repo(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(adapters=ADAPTERS)
+    return pytester
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    # -p xdist: pytester's subprocess sees the same entry points, but say it explicitly.
+    return pytester.runpytest_subprocess("-p", "xdist", "-p", "no:cacheprovider", *args)
+
+
+def kernel_properties() -> int:
+    return len(for_kind("kernel"))
+
+
+@pytest.mark.parametrize("xdist", XDIST)
+def test_a_correct_model_adapter_passes_every_property(repo: pytest.Pytester,
+                                                       xdist: tuple[str, ...]) -> None:
+    result = run(repo, "--tyingspec-adapter=adapters:correct_model", *FAST, *xdist)
+    result.assert_outcomes(passed=len(for_kind("model")))
+    assert result.ret == 0
+
+
+@pytest.mark.parametrize("adapter, label, xdist", [
+    pytest.param("output_path_only_kernel", "input_path_missing", ("-n", "2"),
+                 id="output-path-only-xdist-n2"),
+    pytest.param("input_path_only_kernel", "output_path_missing", (),
+                 id="input-path-only-in-process"),
+    pytest.param("duplicates_buffered_kernel", "duplicates_not_accumulated", (),
+                 id="duplicates-buffered-in-process"),
+    pytest.param("output_path_overwritten_kernel", "output_path_overwritten", (),
+                 id="output-path-overwritten-in-process"),
+])
+def test_each_broken_kernel_fails_with_its_named_verdict(
+        repo: pytest.Pytester, adapter: str, label: str, xdist: tuple[str, ...]) -> None:
+    result = run(repo, f"--tyingspec-adapter=adapters:{adapter}", "--tyingspec-kind=kernel",
+                 *FAST, "-k", "sum_of_paths", *xdist)
+    assert result.ret == 1
+    assert f"verdict: {label}" in result.stdout.str()
+    result.stdout.fnmatch_lines([f"FAILED tyingspec::test_sum_of_paths - {label}: *"])
+
+
+def test_a_failure_prints_the_diagnosis_then_the_smallest_batch_then_a_replay_line_that_works(
+        repo: pytest.Pytester) -> None:
+    first = run(repo, "--tyingspec-adapter=adapters:output_path_only_kernel",
+                "--tyingspec-kind=kernel", *FAST, "-k", "sum_of_paths")
+    assert first.ret == 1
+    out = first.stdout.str()
+    order = ["tyingspec: property sum_of_paths does not hold",
+             "verdict: input_path_missing: input path missing",
+             "path: input path missing on rows",
+             "rows: ",
+             "smallest failing batch (shrunk by Hypothesis):",
+             "replay:",
+             "Falsifying example: test_sum_of_paths("]
+    positions = [out.find(marker) for marker in order]
+    assert -1 not in positions, dict(zip(order, positions))
+    assert positions == sorted(positions)
+    report = out.split("FAILURES")[1].split("short test summary")[0]
+    assert "Traceback" not in report and "_suite.py:" not in report
+    assert not list(Path(repo.path).glob(".hypothesis/patches/*")), \
+        "Hypothesis must not write patches against tyingspec's installed suite"
+
+    lines = first.stdout.lines
+    argv = shlex.split(lines[lines.index("replay:") + 1].strip())
+    assert argv[0] == "pytest"
+    again = run(repo, *argv[1:])
+    again.assert_outcomes(failed=1)
+    batch = lines[lines.index("smallest failing batch (shrunk by Hypothesis):") + 1]
+    assert batch in again.stdout.lines, "the replay runs exactly the shrunk batch"
+
+
+def test_a_model_adapter_failure_on_a_replayed_batch_names_path_rows_and_verdict(
+        repo: pytest.Pytester) -> None:
+    # A replayed batch skips Hypothesis' search and shrink: V*d = 64 uses the closed-form
+    # reference, so this stays fast while exercising the model contract end to end.
+    case = "sum_of_paths V=16 d=4 N=6 seed=3 composition=distinct bias=True"
+    result = run(repo, "--tyingspec-adapter=adapters:output_path_only_model",
+                 f"--tyingspec-replay={case}", "-k", "sum_of_paths")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines([
+        ("tyingspec: property sum_of_paths does not hold for adapter "
+        "'adapters:output_path_only_model' (model): *"),
+        "verdict: input_path_missing: * (wrong on exactly the 6 present rows)",
+        "path: input path missing on rows *",
+        "rows: 6 wrong of 16 (10 exactly right); wrong rows *",
+        "error: max abs *, max rel * (atol *, rtol *)",
+        "",
+        "failing batch (replayed):",
+        "  V=16 d=4 N=6 *seed=3",
+        "  composition=distinct tokens=* targets=*",
+        "",
+        "replay:",
+        ("  pytest --tyingspec-adapter=adapters:output_path_only_model --tyingspec-kind=model "
+        "-k=test_sum_of_paths '--tyingspec-replay=sum_of_paths V=16 d=4 N=6 seed=3 *"),
+    ])
+
+
+def test_an_adapter_error_is_reported_as_such_not_as_a_wrong_gradient(
+        repo: pytest.Pytester) -> None:
+    result = run(repo, "--tyingspec-adapter=adapters:wrong_shape_model", *FAST,
+                 "-k", "sum_of_paths")
+    assert result.ret == 1
+    out = result.stdout.str()
+    assert "tyingspec: adapter error in property sum_of_paths" in out
+    assert "key 'dE': wrong shape" in out
+    assert "verdict: " not in out
+    result.stdout.fnmatch_lines(["FAILED tyingspec::test_sum_of_paths - adapter_error: *"])
+
+
+@pytest.mark.parametrize("xdist", XDIST)
+def test_an_adapter_that_cannot_be_imported_exits_with_status_2_naming_it(
+        repo: pytest.Pytester, xdist: tuple[str, ...]) -> None:
+    result = run(repo, "--tyingspec-adapter=no_such_module:grads", *xdist)
+    assert result.ret == 2
+    text = result.stdout.str() + result.stderr.str()
+    assert "no_such_module:grads" in text
+    assert "cannot be imported" in text and "ModuleNotFoundError" in text
+
+
+def test_a_missing_attribute_exits_with_status_2_naming_it(repo: pytest.Pytester) -> None:
+    result = run(repo, "--tyingspec-adapter=adapters:not_there")
+    assert result.ret == 2
+    assert "has no attribute 'not_there'" in result.stdout.str() + result.stderr.str()
+
+
+@pytest.mark.parametrize("xdist", XDIST)
+def test_the_baseline_gate_fails_a_run_in_which_a_previously_passing_property_fails(
+        repo: pytest.Pytester, xdist: tuple[str, ...]) -> None:
+    baseline = repo.path / "tyingspec-baseline.json"
+    common = ("--tyingspec-kind=kernel", f"--tyingspec-baseline={baseline}", *FAST)
+    first = run(repo, "--tyingspec-adapter=adapters:correct_kernel", *common)
+    assert first.ret == 0
+    recorded = json.loads(baseline.read_text())
+    assert recorded["schema"] == "tyingspec.baseline/1"
+    assert set(recorded["verdicts"].values()) == {"passed"}
+    assert len(recorded["verdicts"]) == kernel_properties()
+
+    # Only sum_of_paths this time: properties not run are not regressions.
+    second = run(repo, "--tyingspec-adapter=adapters:output_path_only_kernel", *common,
+                 "-k", "sum_of_paths", *xdist)
+    assert second.ret == 1
+    second.stdout.fnmatch_lines([
+        "*tyingspec baseline REGRESSION*",
+        "REGRESSION: * passed in baseline * and fail* now:",
+        "  sum_of_paths: passed -> failed (input_path_missing)",
+    ])
+    assert json.loads(baseline.read_text()) == recorded, "only the update flag rewrites it"
+
+
+def test_the_baseline_gate_fails_under_xdist_even_when_pytest_counts_nothing_as_failed(
+        repo: pytest.Pytester) -> None:
+    baseline = repo.path / "baseline.json"
+    common = ("--tyingspec-kind=kernel", f"--tyingspec-baseline={baseline}", *FAST,
+              "-k", "sum_of_paths")
+    assert run(repo, "--tyingspec-adapter=adapters:correct_kernel", *common).ret == 0
+    # A user's conftest marks the suite xfail: pytest then reports "1 xfailed" and exits 0.
+    repo.makeconftest("""
+        import pytest
+
+        def pytest_collection_modifyitems(items):
+            for item in items:
+                item.add_marker(pytest.mark.xfail(reason="known broken"))
+    """)
+    result = run(repo, "--tyingspec-adapter=adapters:output_path_only_kernel", *common,
+                 "-n", "2")
+    result.assert_outcomes(xfailed=1)
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*tyingspec baseline REGRESSION*",
+                                 "  sum_of_paths: passed -> failed (input_path_missing)"])
+
+
+def test_the_update_flag_rewrites_the_baseline_and_accepts_the_new_verdicts(
+        repo: pytest.Pytester) -> None:
+    baseline = repo.path / "baseline.json"
+    common = ("--tyingspec-kind=kernel", f"--tyingspec-baseline={baseline}", *FAST,
+              "-k", "sum_of_paths")
+    run(repo, "--tyingspec-adapter=adapters:correct_kernel", *common)
+    updated = run(repo, "--tyingspec-adapter=adapters:output_path_only_kernel", *common,
+                  "--tyingspec-update-baseline")
+    assert updated.ret == 1  # the property still fails; the gate itself does not
+    assert "REGRESSION" not in updated.stdout.str().replace("accepted", "")
+    updated.stdout.fnmatch_lines(["baseline * rewritten with this run's verdicts"])
+    assert json.loads(baseline.read_text())["verdicts"] == {"sum_of_paths": "failed"}
+    again = run(repo, "--tyingspec-adapter=adapters:output_path_only_kernel", *common)
+    assert "tyingspec baseline REGRESSION" not in again.stdout.str()
+
+
+def test_an_unreadable_baseline_is_a_usage_error_before_anything_runs(
+        repo: pytest.Pytester) -> None:
+    (repo.path / "baseline.json").write_text("{not json")
+    result = run(repo, "--tyingspec-adapter=adapters:correct_kernel", "--tyingspec-kind=kernel",
+                 "--tyingspec-baseline=baseline.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "baseline baseline.json: cannot be read as JSON" in result.stderr.str()
+
+
+def test_junitxml_and_the_markdown_summary_work_under_xdist(repo: pytest.Pytester) -> None:
+    xml, summary = repo.path / "junit.xml", repo.path / "summary.md"
+    result = run(repo, "--tyingspec-adapter=adapters:output_path_only_kernel",
+                 "--tyingspec-kind=kernel", *FAST, "-n", "2", f"--junitxml={xml}",
+                 f"--tyingspec-summary={summary}")
+    assert result.ret == 1
+    cases = ET.parse(xml).getroot().iter("testcase")
+    verdicts = {c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")}
+                for c in cases}
+    assert len(verdicts) == kernel_properties()
+    assert verdicts["test_sum_of_paths"]["tyingspec_verdict"] == "input_path_missing"
+    assert verdicts["test_sum_of_paths"]["tyingspec_invariant"] == "SUM"
+
+    text = summary.read_text()
+    assert "| property | invariant | verdict | diagnosis |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) == kernel_properties()
+    assert any(r.startswith("| `sum_of_paths` | SUM | ❌ failed | input path missing")
+               for r in rows)
+
+
+def test_the_suite_collects_one_test_per_property_in_sorted_order(
+        repo: pytest.Pytester) -> None:
+    # Sorted, static ids are what lets every xdist worker collect the same list (xdist aborts
+    # the run otherwise, so each -n 2 run above checks it too).
+    result = run(repo, "--tyingspec-adapter=adapters:correct_model", "--collect-only", "-q")
+    assert result.ret == 0
+    ids = [line for line in result.stdout.lines if line.startswith("tyingspec::")]
+    assert ids == [f"tyingspec::test_{n}" for n in sorted(p.name for p in for_kind("model"))]
+
+
+def test_the_plugin_does_nothing_without_an_adapter(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user="def test_user_code():\n    assert 1 + 1 == 2\n")
+    result = run(pytester, "-v")
+    result.assert_outcomes(passed=1)
+    assert "tyingspec" not in result.stdout.str().replace("tyingspec-", "")
+
+
+def test_tyingspec_options_without_an_adapter_are_a_usage_error(
+        pytester: pytest.Pytester) -> None:
+    result = run(pytester, "--tyingspec-baseline=b.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--tyingspec-baseline given without --tyingspec-adapter" in result.stderr.str()
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--tyingspec-kind=both", "expected kind model or kernel, got 'both'"),
+    ("--tyingspec-profile=fast", "expected profile dev or ci or thorough, got 'fast'"),
+    ("--tyingspec-max-examples=0", "expected a positive integer, got 0"),
+    ("--tyingspec-adapter=my module:f", "expected module:attr with dotted Python names"),
+    ("--tyingspec-replay=sum_of_paths", "expected 'PROPERTY key=value ...'"),
+])
+def test_bad_option_values_are_rejected_naming_the_option(pytester: pytest.Pytester,
+                                                          option: str, message: str) -> None:
+    result = run(pytester, "--tyingspec-adapter=tied", option)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    name = option.split("=")[0]
+    assert f"argument {name}: {message}" in result.stderr.str()
+
+
+def test_profiles_map_to_hypothesis_settings() -> None:
+    dev, ci, thorough = (profile_settings(p) for p in ("dev", "ci", "thorough"))
+    assert (dev.max_examples, ci.max_examples, thorough.max_examples) == (30, 60, 400)
+    assert ci.derandomize and ci.database is None and ci.print_blob
+    assert all(s.deadline is None and not s.report_multiple_bugs for s in (dev, ci, thorough))
+    assert profile_settings("dev", 7).max_examples == 7
+    assert profile_settings("dev", replay=True).phases == (Phase.explicit,)
+
+
+def test_the_ci_profile_applies_when_ci_is_set(repo: pytest.Pytester,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    result = run(repo, "--tyingspec-adapter=adapters:correct_model", "--collect-only")
+    result.stdout.fnmatch_lines([("tyingspec: adapter 'adapters:correct_model' (model), "
+                                  "profile ci (max_examples=60, derandomize=True)")])
+
+
+def test_the_plugin_module_imports_without_numpy_sympy_or_hypothesis() -> None:
+    code = ("import sys, tyingspec._plugin; "
+            "print(sorted(m for m in ('numpy', 'sympy', 'hypothesis') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+# --- the CLI side of the gate: tyingspec check TARGET --baseline FILE -------------------------
+
+def test_check_baseline_records_then_flags_a_case_that_passed_and_now_fails(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "check-baseline.json")
+    cases = standard_cases(0)
+    code, lines = apply_check_baseline(check_target("tied", "model", 0, cases), path, False)
+    assert code == 0 and "did not exist: recorded" in lines[0]
+    recorded = load(path, "case")
+    assert recorded is not None and recorded.verdicts["absent-tokens"] == "passed"
+
+    broken = check_target("output-path-only", "model", 0, cases)
+    code, lines = apply_check_baseline(broken, path, False)
+    assert code == 1
+    assert re.match(r"REGRESSION: \d+ cases passed in baseline .* and fail now:", lines[0])
+    assert "  absent-tokens: passed -> failed (input_path_missing)" in lines
+
+    code, lines = apply_check_baseline(broken, path, True)
+    assert code == broken.exit_code and "rewritten" in lines[0]
+    code, lines = apply_check_baseline(broken, path, False)
+    assert code == broken.exit_code and not any("REGRESSION" in line for line in lines)
+
+
+def test_check_baseline_counts_an_unloadable_target_as_a_regression_and_never_records_it(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "b.json")
+    cases = standard_cases(0)
+    apply_check_baseline(check_target("tied", "model", 0, cases), path, False)
+    missing = check_target("no_such_module:f", "model", 0, cases)
+    code, lines = apply_check_baseline(missing, path, False)
+    assert code == 2 and lines[0].startswith("REGRESSION")
+    code, lines = apply_check_baseline(missing, path, True)
+    assert code == 2 and "not updated" in lines[0]
+
+
+def test_check_refuses_a_baseline_recorded_by_the_plugin(tmp_path: Path) -> None:
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"schema": "tyingspec.baseline/1", "unit": "property",
+                                "target": "x:y", "kind": "model", "verdicts": {}}))
+    code, lines = apply_check_baseline(check_target("tied", "model", 0, standard_cases(0)),
+                                       str(path), False)
+    assert code == 2 and "recorded by the pytest plugin" in lines[0]

@@ -1,0 +1,198 @@
+"""The tests the pytest plugin adds to a run: one Hypothesis test per property.
+
+``pytest --tyingspec-adapter=module:attr`` collects these as the module ``tyingspec`` (node ids
+``tyingspec::test_<property>``).  :func:`build_module` makes them for one configuration (adapter,
+kind, profile, optional replay); the order is the sorted property names, so every xdist worker
+collects the same ids in the same order.  Each test is a real ``@given`` function, so Hypothesis'
+pytest integration (shrinking, the falsifying example, statistics, the database) applies.
+
+Replay strings (what a failure prints after ``--tyingspec-replay=``) carry the drawn parameters
+rather than a ``@reproduce_failure`` blob, which is not stable across Hypothesis versions::
+
+    sum_of_paths V=2 d=1 N=1 seed=0 composition=random res=1.0 s_in=1.0 bias=False ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, example, given, settings
+
+if TYPE_CHECKING:
+    from ._cases import Case
+    from .properties import Property
+
+# numpy, sympy and the properties load inside the functions that need them: the plugin's report
+# header calls profile_settings in the xdist controller, which never runs a property.
+
+#: Hypothesis settings each profile changes; everything else comes from the base profile (the
+#: user's current default, or Hypothesis' built-in ``ci`` profile for ``ci``).
+PROFILES: dict[str, dict[str, Any]] = {
+    "dev": {"max_examples": 30},
+    "ci": {"max_examples": 60, "derandomize": True},
+    "thorough": {"max_examples": 400},
+}
+
+#: Attribute on an AdapterError naming the batch it happened on (read by the plugin's report).
+CASE_ATTR = "tyingspec_case"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The adapter under test, resolved in this process."""
+
+    spec: str
+    kind: str
+    fn: Callable[..., Any]
+
+    def __repr__(self) -> str:
+        return f"Target({self.spec!r}, {self.kind!r})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # Hypothesis' falsifying example would otherwise list the dataclass field by field.
+        printer.text(repr(self))
+
+
+def profile_settings(profile: str, max_examples: int | None = None, *,
+                     replay: bool = False) -> settings:
+    """Settings for the property tests only; a user's loaded profile stays theirs otherwise."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown tyingspec profile {profile!r}; expected one of "
+                         + ", ".join(PROFILES))
+    base = settings()  # the current default profile: the user's, or Hypothesis' own
+    changes = dict(PROFILES[profile])
+    if profile == "ci":
+        # Hypothesis' own ci profile, extended; keep only the verbosity a user asked for
+        # (--hypothesis-verbosity sets it on the default profile).
+        base = settings(settings.get_profile("ci"), verbosity=base.verbosity)
+    if max_examples is not None:
+        changes["max_examples"] = max_examples
+    if replay:
+        changes["phases"] = (Phase.explicit,)
+    # The sympy reference compiles once per shape (0.5-2 s): no deadline, no too_slow check.
+    # One failure per property is reported (the shrunk one), so the diagnosis leads the output.
+    suppressed = [*base.suppress_health_check]
+    if HealthCheck.too_slow not in suppressed:
+        suppressed.append(HealthCheck.too_slow)
+    return settings(base, deadline=None, report_multiple_bugs=False,
+                    suppress_health_check=suppressed, **changes)
+
+
+def property_names(kind: str) -> list[str]:
+    """The properties that apply to ``kind``, in the order every worker collects them."""
+    from .properties import for_kind
+
+    return sorted(p.name for p in for_kind(kind))
+
+
+def _make_test(prop: Property, chosen: settings, replay: Case | None) -> Callable[..., None]:
+    from ._adapters import AdapterError
+
+    check = prop.check
+
+    def test_property(tyingspec_target: Target, case: Case) -> None:
+        try:
+            check(tyingspec_target.fn, tyingspec_target.spec, tyingspec_target.kind, case)
+        except AdapterError as exc:
+            setattr(exc, CASE_ATTR, case)
+            raise
+
+    test_property.__name__ = test_property.__qualname__ = f"test_{prop.name}"
+    test_property.__doc__ = f"[{prop.invariant}] {prop.doc}"
+    # Every generated test has the same source, which is what Hypothesis hashes for its
+    # database key; add the property name so examples saved for one never replay into another.
+    test_property._hypothesis_internal_add_digest = prop.name.encode()  # type: ignore[attr-defined]
+    fn: Callable[..., None] = test_property
+    if replay is not None:
+        fn = example(case=replay)(fn)
+    return chosen(given(case=prop.strategy())(fn))
+
+
+def build_module(spec: str, kind: str, profile: str, max_examples: int | None = None,
+                 replay: tuple[str, Case] | None = None) -> types.ModuleType:
+    """A module object holding the session fixture ``tyingspec_target`` and one test per
+    property (only the replayed one with ``replay``)."""
+    from ._adapters import resolve
+    from .properties import PROPERTIES
+
+    module = types.ModuleType("tyingspec._suite", __doc__)
+    module.__file__ = __file__
+
+    @pytest.fixture(scope="session", name="tyingspec_target")
+    def tyingspec_target() -> Target:
+        # Resolved lazily in each process (xdist workers included): only the spec string
+        # crosses process boundaries.  An AdapterError here errors every property's setup.
+        return Target(spec, kind, resolve(spec, kind))
+
+    module.tyingspec_target = tyingspec_target  # type: ignore[attr-defined]
+    chosen = profile_settings(profile, max_examples, replay=replay is not None)
+    names = [replay[0]] if replay is not None else property_names(kind)
+    for name in names:
+        test = _make_test(PROPERTIES[name], chosen, replay[1] if replay is not None else None)
+        setattr(module, f"test_{name}", test)
+    return module
+
+
+# --- replay strings ---------------------------------------------------------------------------
+
+def _format_value(value: object) -> str:
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, float):
+        return repr(value)  # round-trips exactly
+    return str(value)
+
+
+def format_replay(prop: str, case: Case) -> str:
+    """``PROPERTY key=value ...`` with every field of ``case`` (except its name)."""
+    from ._cases import Case
+
+    parts = [prop] + [f"{f.name}={_format_value(getattr(case, f.name))}"
+                      for f in dataclasses.fields(Case) if f.name != "name"]
+    return " ".join(parts)
+
+
+def _parse_value(key: str, annotation: str, text: str) -> object:
+    optional = "None" in annotation
+    if optional and text == "None":
+        return None
+    if "tuple" in annotation:
+        try:
+            return tuple(int(v) for v in text.split(",") if v != "")
+        except ValueError:
+            raise ValueError(f"{key}: expected comma-separated integers, got {text!r}") from None
+    if annotation.startswith("bool"):
+        if text not in ("True", "False", "1", "0"):
+            raise ValueError(f"{key}: expected True or False, got {text!r}")
+        return text in ("True", "1")
+    for typ in (int, float):
+        if annotation.startswith(typ.__name__):
+            try:
+                return typ(text)
+            except ValueError:
+                raise ValueError(f"{key}: expected {typ.__name__}, got {text!r}") from None
+    return text
+
+
+def parse_replay(text: str) -> tuple[str, Case]:
+    """Inverse of :func:`format_replay`; raises ValueError naming the bad part."""
+    from ._cases import Case
+
+    prop, *pairs = text.split()
+    fields = {f.name: str(f.type) for f in dataclasses.fields(Case) if f.name != "name"}
+    values: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"expected key=value with key one of {', '.join(fields)}; "
+                             f"got {pair!r}")
+        values[key] = _parse_value(key, fields[key], raw)
+    missing = [k for k in ("V", "d", "N", "seed") if k not in values]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (a replay needs at least V, d, N, seed)")
+    return prop, Case(name="replay", **values)  # type: ignore[arg-type]
