@@ -134,3 +134,14 @@ def test_module_targets_are_found_from_the_current_directory(
     code, out = _run(capsys, "check", "cwd_adapter_mod:f")
     assert code == 0, out
     sys.modules.pop("cwd_adapter_mod", None)
+
+
+@pytest.mark.parametrize("name", ["copy-tie", "grad-not-zeroed"])
+def test_bugs_that_only_show_after_a_step_are_caught_on_the_second_call(
+        capsys: pytest.CaptureFixture[str], name: str) -> None:
+    from tyingspec._mutants import reset_state
+
+    reset_state()
+    code, out = _run(capsys, "check", name, "--case", "absent-tokens")
+    assert code == 1
+    assert "diagnosis (after one SGD step of E with the returned dE)" in out

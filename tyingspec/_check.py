@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,9 @@ from ._probe import closed_form_paths
 from ._tolerance import tolerance_for
 
 STATUSES = ("correct", "no_power", "wrong", "adapter_error")
+#: The step the model is stepped by before its second call: the largest entry of E moves by this.
+STEP = 0.1
+FIRST_CALL, AFTER_STEP = "first call", "after one SGD step"
 
 
 @dataclass
@@ -29,6 +32,7 @@ class CaseResult:
     mutated: tuple[str, ...] = ()
     shrunk: Case | None = None
     replay: str = ""
+    stage: str = FIRST_CALL  # which call the diagnosis is of (models are called twice)
 
     def as_dict(self) -> dict[str, Any]:
         c = self.case
@@ -36,6 +40,7 @@ class CaseResult:
             "name": c.name, "seed": c.seed, "V": c.V, "d": c.d, "N": c.N, "res": c.res,
             "s_in": c.s_in, "bias": c.bias, "dtype": c.dtype, "status": self.status,
             "error": self.error, "mutated_inputs": list(self.mutated), "replay": self.replay,
+            "stage": self.stage,
         }
         if self.diagnosis is not None:
             dd = self.diagnosis.as_dict()
@@ -49,13 +54,8 @@ class CaseResult:
         return d
 
 
-def _evaluate(spec: str, fn: Callable[..., Any], kind: str, batch: Batch,
-              dtype: str) -> tuple[Diagnosis, tuple[str, ...]]:
-    if kind == "kernel":
-        parts, paths = kernel_inputs(batch)
-        dE, mutated = call_kernel(spec, fn, batch.tokens, parts.input_rows, parts.h, parts.g,
-                                  batch.E.shape[0])
-        return diagnose(dE, paths, dtype=dtype), mutated
+def _model_call(spec: str, fn: Callable[..., Any], batch: Batch,
+                dtype: str) -> tuple[Diagnosis, tuple[str, ...], np.ndarray]:
     paths = closed_form_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
                               None if batch.b is None else batch.b.astype(np.float64),
                               batch.tokens, batch.targets, batch.res, batch.s_in)
@@ -67,7 +67,29 @@ def _evaluate(spec: str, fn: Callable[..., Any], kind: str, batch: Batch,
     ]
     if paths.db is not None and out.db is not None:
         others.append(compare("db", out.db, paths.db, tolerance_for(dtype, paths.db)))
-    return diagnose(out.dE, paths, dtype=dtype, others=others), out.mutated
+    diag = diagnose(out.dE, paths, dtype=dtype, others=others, mutated=out.mutated)
+    return diag, out.mutated, out.dE
+
+
+def _evaluate(spec: str, fn: Callable[..., Any], kind: str, batch: Batch,
+              dtype: str) -> tuple[Diagnosis, tuple[str, ...], str]:
+    """Diagnose one case; a model is called twice: at E, then at E stepped by SGD with the dE it
+    returned, because a tie that is a copy made at initialisation, or a gradient buffer that is
+    never zeroed, is right on the first call and wrong from the second on."""
+    if kind == "kernel":
+        parts, paths = kernel_inputs(batch)
+        dE, mutated = call_kernel(spec, fn, batch.tokens, parts.input_rows, parts.h, parts.g,
+                                  batch.E.shape[0])
+        return diagnose(dE, paths, dtype=dtype, mutated=mutated), mutated, FIRST_CALL
+    diag, mutated, dE = _model_call(spec, fn, batch, dtype)
+    peak = float(np.max(np.abs(dE))) if dE.size else 0.0
+    if diag.wrong or mutated or peak == 0.0:
+        return diag, mutated, FIRST_CALL
+    E1 = (batch.E.astype(np.float64) - (STEP / peak) * dE.astype(np.float64)).astype(batch.E.dtype)
+    diag1, mutated1, _ = _model_call(spec, fn, replace(batch, E=E1), dtype)
+    if diag1.wrong or mutated1:
+        return diag1, mutated1, AFTER_STEP
+    return diag, mutated, FIRST_CALL
 
 
 def _status(diag: Diagnosis, mutated: tuple[str, ...]) -> str:
@@ -87,7 +109,7 @@ def shrink(spec: str, fn: Callable[..., Any], kind: str, case: Case, label: str)
             t2, y2 = np.delete(tokens, i), np.delete(targets, i)
             trial = case.with_batch(t2, y2)
             try:
-                diag, _ = _evaluate(spec, fn, kind, build(trial), case.dtype)
+                diag, _, _ = _evaluate(spec, fn, kind, build(trial), case.dtype)
             except AdapterError:
                 continue
             if diag.label == label:
@@ -108,12 +130,12 @@ def replay_command(spec: str, kind: str, base_seed: int, case: Case) -> str:
 def run_case(spec: str, fn: Callable[..., Any], kind: str, case: Case, base_seed: int,
              *, do_shrink: bool = True) -> CaseResult:
     try:
-        diag, mutated = _evaluate(spec, fn, kind, build(case), case.dtype)
+        diag, mutated, stage = _evaluate(spec, fn, kind, build(case), case.dtype)
     except AdapterError as exc:
         return CaseResult(case, "adapter_error", error=str(exc),
                           replay=replay_command(spec, kind, base_seed, case))
     status = _status(diag, mutated)
-    result = CaseResult(case, status, diagnosis=diag, mutated=mutated,
+    result = CaseResult(case, status, diagnosis=diag, mutated=mutated, stage=stage,
                         replay=replay_command(spec, kind, base_seed, case))
     if status == "wrong" and diag.wrong and do_shrink:
         result.shrunk = shrink(spec, fn, kind, case, diag.label)

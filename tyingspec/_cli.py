@@ -1,4 +1,4 @@
-"""The ``tyingspec`` command line: ``check`` (and ``reproduce``)."""
+"""The ``tyingspec`` command line: ``check``, ``mutants`` and ``reproduce``."""
 
 from __future__ import annotations
 
@@ -49,14 +49,27 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--tokens", type=_int_list, help="replay: explicit tokens, e.g. 3,3")
     p.add_argument("--targets", type=_int_list, help="replay: explicit targets, same length")
     p.add_argument("--list", action="store_true", help="list built-in targets and cases")
+    p.add_argument("--baseline", metavar="FILE",
+                   help="CI gate: fail on any case that passed in FILE and fails now "
+                        "(FILE is created when missing)")
+    p.add_argument("--update-baseline", action="store_true",
+                   help="rewrite --baseline FILE with this run's verdicts")
 
 
 def _add_reproduce(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("reproduce", help="re-derive the weight-tying write-up's experiments")
-    try:
-        from ._reproduce import configure_parser
-    except ImportError:  # the experiments package is optional at import time of the CLI
-        return
+    from ._reproduce import configure_parser
+
+    configure_parser(p)
+
+
+def _add_mutants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("mutants", help="kill matrix: every property against every seeded bug",
+                       description="Run the property suite against the mutant zoo and the "
+                                   "correct styles; exit 0 when every mutant is killed and "
+                                   "every correct style passes.")
+    from ._power import configure_parser
+
     configure_parser(p)
 
 
@@ -66,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     _add_check(sub)
     _add_reproduce(sub)
+    _add_mutants(sub)
     return parser
 
 
@@ -128,11 +142,19 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"token ids must be in [0, {V}) for case {cases[0].name}; got {bad}")
         cases = [replace(cases[0]).with_batch(np.asarray(args.tokens),
                                               np.asarray(args.targets))]
+    if args.update_baseline and not args.baseline:
+        parser.error("--update-baseline needs --baseline FILE")
     report = check_target(args.target, args.kind, args.seed, cases)
     print(render(report))
+    code = report.exit_code
+    if args.baseline:
+        from ._baseline import apply_check_baseline
+
+        code, lines = apply_check_baseline(report, args.baseline, args.update_baseline)
+        print("\n".join(lines))
     if args.json:
         write_json(args.json, as_json(report))
-    return report.exit_code
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "check":
         return _check(args, parser)
+    if args.command == "mutants":
+        from ._power import run as run_mutants
+
+        return run_mutants(args)
     if args.command == "reproduce":
         from ._reproduce import run
 

@@ -4,7 +4,7 @@ JSON schema ``tyingspec.check/1`` (documented in the README)::
 
     {"schema": "tyingspec.check/1", "target", "kind", "seed", "verdict", "diagnosis",
      "exit_code", "load_error", "cases": [{"name", "seed", "V", "d", "N", "res", "s_in", "bias",
-       "dtype", "status", "label", "detail", "rows_total", "rows_wrong", "rows_exact",
+       "dtype", "status", "stage", "label", "detail", "rows_total", "rows_wrong", "rows_exact",
        "wrong_rows", "max_abs_error", "max_rel_error", "power", "error", "mutated_inputs",
        "smallest_batch", "replay", "diagnosis"}]}
 """
@@ -53,7 +53,8 @@ def render_case(r: CaseResult) -> list[str]:
         lines.append(f"  error: {r.error}")
     d = r.diagnosis
     if d is not None:
-        lines.append(f"  diagnosis: {d.headline()}")
+        when = "" if r.stage == "first call" else f" ({r.stage} of E with the returned dE)"
+        lines.append(f"  diagnosis{when}: {d.headline()}")
         for o in d.others:
             if not o.ok:
                 lines.append(f"  {o.describe()}")
