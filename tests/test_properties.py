@@ -265,3 +265,23 @@ def test_properties_import_as_tyingspec_properties_from_any_directory(tmp_path: 
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "tyingspec.properties"
+
+
+def test_a_failure_shrinks_to_a_small_readable_batch_under_the_plugins_settings() -> None:
+    """Regression: Hypothesis' explain phase reported a variation (V=8 d=8 N=20), not the
+    shrunk minimum; the plugin's settings leave it out."""
+    from hypothesis import given, settings
+
+    from tyingspec._implementations import REGISTRY
+    from tyingspec._suite import profile_settings
+    from tyingspec.properties import PROPERTIES, PropertyFailure
+
+    prop = PROPERTIES["sum_of_paths"]
+    fn = REGISTRY["output-path-only"].model
+    chosen = settings(profile_settings("dev"), database=None)  # no replay of a saved minimum
+    test = chosen(given(case=prop.strategy())(
+        lambda case: prop.check(fn, "output-path-only", "model", case)))
+    with pytest.raises(PropertyFailure) as info:
+        test()
+    case = info.value.case
+    assert (case.V, case.d, case.N) == (2, 1, 1), case.describe()

@@ -90,7 +90,9 @@ def _cases(draw: st.DrawFn, max_vocab: int, max_width: int, max_len: int,
     composition = draw(st.sampled_from(usable))
     V, N, distinct, multiplicity = draw(_shape(composition, max_vocab, max_len, min_vocab,
                                                min_len))
-    square = V <= max_width and draw(st.sampled_from(_SQUARE))
+    # Drawn unconditionally: a draw that exists only for some V shifts every later choice when
+    # the shrinker lowers V, and Hypothesis then stops shrinking V (seen: stuck at V=9, N=33).
+    square = draw(st.sampled_from(_SQUARE)) and V <= max_width
     d = V if square else draw(st.integers(1, max_width))
     return Case(
         name=f"drawn-{composition}", V=V, d=d, N=N, seed=draw(st.integers(0, 2**32 - 1)),
