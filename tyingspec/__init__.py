@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ._finite import central_differences
     from ._implementations import REGISTRY, Implementation, register
     from ._probe import Paths, closed_form_paths, loss_only
+    from ._strategies import cases
     from ._symbolic import symbolic_paths
     from ._tolerance import Tolerance, tolerance_for
 
@@ -35,6 +36,7 @@ _WHERE: dict[str, str] = {
     "REGISTRY": "._implementations",
     "Tolerance": "._tolerance",
     "build": "._cases",
+    "cases": "._strategies",
     "call_kernel": "._adapters",
     "call_model": "._adapters",
     "central_differences": "._finite",
@@ -65,6 +67,7 @@ __all__ = [
     "Power",
     "Tolerance",
     "build",
+    "cases",
     "call_kernel",
     "call_model",
     "central_differences",

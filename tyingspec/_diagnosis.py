@@ -287,7 +287,9 @@ def diagnose(
             # occurrence are a masked row (padding), not a duplicate bug: handled below
             label = "duplicates_not_accumulated"
         if label == "duplicates_not_accumulated":
-            detail = (f"{kept[0]}; " if kept else "") + "wrong rows are repeated tokens " + \
+            # Identical occurrences (same token, same target) fit both: say only what is known.
+            which = "one occurrence only" if len(kept) > 1 else (kept[0] if kept else "")
+            detail = (f"{which}; " if which else "") + "wrong rows are repeated tokens " + \
                 ", ".join(f"{r} (x{repeated[r]})" for r in wrong_rows)
 
     present = np.zeros(V, dtype=bool)
