@@ -10,28 +10,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from ._options import int_list, seed
+
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip() != "")
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 3,3,7; got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
-
-
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"seed must be an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"seed must be >= 0, got {v}")
-    return v
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -43,11 +24,11 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                     "2 usage or adapter error.")
     p.add_argument("target", nargs="?", help="built-in name or module:attr")
     p.add_argument("--kind", choices=("model", "kernel"), default="model")
-    p.add_argument("--seed", type=_seed, default=0, help="base seed (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="base seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="write a tyingspec.check/1 JSON report")
     p.add_argument("--case", metavar="NAME", help="run only this case (replay)")
-    p.add_argument("--tokens", type=_int_list, help="replay: explicit tokens, e.g. 3,3")
-    p.add_argument("--targets", type=_int_list, help="replay: explicit targets, same length")
+    p.add_argument("--tokens", type=int_list, help="replay: explicit tokens, e.g. 3,3")
+    p.add_argument("--targets", type=int_list, help="replay: explicit targets, same length")
     p.add_argument("--list", action="store_true", help="list built-in targets and cases")
     p.add_argument("--baseline", metavar="FILE",
                    help="CI gate: fail on any case that passed in FILE and fails now "

@@ -34,6 +34,8 @@ from typing import Any
 
 import pytest
 
+from ._options import positive_int
+
 SUITE_PATH = Path(__file__).with_name("_suite.py").resolve()
 SUITE_NODEID = "tyingspec"
 TEST_PREFIX = f"{SUITE_NODEID}::test_"
@@ -76,17 +78,6 @@ def _choice(name: str, choices: tuple[str, ...]) -> Any:
     return parse
 
 
-def _max_examples(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer number of examples, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _file(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("expected a file path, got an empty string")
@@ -118,7 +109,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Hypothesis settings for the property tests: dev (fast), ci "
                          "(derandomized; the default when $CI is set), thorough (hundreds of "
                          "examples); default dev")
-    group.addoption("--tyingspec-max-examples", metavar="N", type=_max_examples, default=None,
+    group.addoption("--tyingspec-max-examples", metavar="N", type=positive_int, default=None,
                     help="override the profile's max_examples")
     group.addoption("--tyingspec-baseline", metavar="FILE", type=_file, default=None,
                     help="regression gate: record each property's verdict in FILE (if missing) "

@@ -28,6 +28,8 @@ from hypothesis.strategies import SearchStrategy
 from ._adapters import AdapterError
 from ._cases import Case
 from ._implementations import REGISTRY, Implementation
+from ._options import positive_int
+from ._options import seed as option_seed
 
 SCHEMA = "tyingspec.mutants/1"
 KINDS = ("model", "kernel")
@@ -304,26 +306,6 @@ def render(report: PowerReport) -> str:
     return "\n".join(lines)
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"seed must be an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"seed must be >= 0, got {v}")
-    return v
-
-
 def _mutant_name(text: str) -> str:
     if text not in REGISTRY:
         raise argparse.ArgumentTypeError(
@@ -341,10 +323,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=("model", "kernel", "all"), default="all",
                    help="adapter kinds to run (default: all)")
     p.add_argument("--json", metavar="PATH", help=f"write a {SCHEMA} JSON report")
-    p.add_argument("--max-examples", type=_positive, default=DEFAULT_MAX_EXAMPLES,
+    p.add_argument("--max-examples", type=positive_int, default=DEFAULT_MAX_EXAMPLES,
                    metavar="N", help="Hypothesis examples per property and implementation "
                                      f"(default {DEFAULT_MAX_EXAMPLES})")
-    p.add_argument("--seed", type=_seed, default=None,
+    p.add_argument("--seed", type=option_seed, default=None,
                    help="Hypothesis seed (default: derandomized, the same examples every run)")
     p.add_argument("--only", type=_mutant_name, action="append", metavar="NAME",
                    help="run only this implementation (repeatable)")

@@ -1,0 +1,43 @@
+"""argparse ``type=`` callables shared by the CLI, ``tyingspec mutants`` and the pytest plugin.
+
+Standard library only: the plugin imports this at pytest start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _integer(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
+
+
+def seed(text: str) -> int:
+    """A seed: an integer >= 0."""
+    v = _integer(text, "seed")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"seed must be >= 0, got {v}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    """A count: an integer >= 1."""
+    v = _integer(text, "the value")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers, e.g. ``3,3,7``."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip() != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 3,3,7; got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
