@@ -271,10 +271,10 @@ def test_a_failure_shrinks_to_a_small_readable_batch_under_the_plugins_settings(
     """Regression: Hypothesis' explain phase reported a variation (V=8 d=8 N=20), not the
     shrunk minimum; the plugin's settings leave it out."""
     from hypothesis import given, settings
+    from tyingspec.properties import PROPERTIES, PropertyFailure
 
     from tyingspec._implementations import REGISTRY
     from tyingspec._suite import profile_settings
-    from tyingspec.properties import PROPERTIES, PropertyFailure
 
     prop = PROPERTIES["sum_of_paths"]
     fn = REGISTRY["output-path-only"].model

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ._probe import Array, Paths, scatter_rows
+from ._probe import Array, Paths
 from ._tolerance import Tolerance, tolerance_for
 
 #: The named verdicts, in the order they are tried, with the sentence a person reads.
@@ -146,7 +146,8 @@ class Diagnosis:
 
 
 def _rows_close(tol: Tolerance, actual: Array, expected: Array) -> np.ndarray:
-    return tol.close(actual, expected).all(axis=1)
+    rows: np.ndarray = np.asarray(tol.close(actual, expected).all(axis=1))
+    return rows
 
 
 def _occurrence_variants(paths: Paths, rows: np.ndarray) -> dict[str, Array]:
