@@ -303,14 +303,14 @@ _model_only("copy-tie",
             "so they diverge after one optimizer step (LLMs-from-scratch #822, flax #1263)",
             "ID", "output_path_wrong", _copy_tie, MUTANT, STATEFUL)
 
-_both("tied-bincount", "correct: input path as np.bincount per column of dx", None, "correct",
+_both("tied-bincount", "input path as np.bincount per column of dx", None, "correct",
       _bincount, STYLE)
-_both("tied-one-hot", "correct: input path as one-hot(tokens).T @ dx", None, "correct",
+_both("tied-one-hot", "input path as one-hot(tokens).T @ dx", None, "correct",
       _one_hot, STYLE)
 _both("tied-sorted-segments",
-      "correct: input path as a segmented np.add.reduceat over tokens sorted in a copy",
+      "input path as a segmented np.add.reduceat over tokens sorted in a copy",
       None, "correct", _sorted_segments, STYLE)
-register(Implementation("tied-float32", "correct: float32 end to end (judged at float32)", None,
+register(Implementation("tied-float32", "float32 end to end (judged at float32)", None,
                         "correct", model=_f32_model, kernel=_f32_kernel, tags=(STYLE,)))
 
 
