@@ -283,6 +283,8 @@ def diagnose(
             label = "duplicates_not_accumulated"
         elif whole(a * d_in + c * d_out):
             label, detail, scales = "path_scaled", _describe_scales(a, c), (a, c)
+            # Every wrong row is explained by the fitted factors: attribute them to it.
+            causes = {detail: [r for rows in causes.values() for r in rows]}
         elif only_repeated and set(causes) != {"input path missing"}:
             # some other loss of occurrences (e.g. a racy scatter); rows that lost *every*
             # occurrence are a masked row (padding), not a duplicate bug: handled below
