@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, note
+from hypothesis import example, given, note
 from hypothesis import strategies as st
 
 from tyingspec import (
@@ -34,11 +34,28 @@ def small_cases(draw: st.DrawFn) -> Case:
     )
 
 
+# Always run, whatever Hypothesis draws: the corners the issue names.
+CORNERS = [
+    Case("V=1", V=1, d=3, N=4, seed=11, res=0.6, s_in=1.7),
+    Case("d=1, N>V, repeats", V=3, d=1, N=9, seed=12, composition="repeats", res=0.0),
+    Case("absent tokens, no b", V=5, d=2, N=2, seed=13, composition="distinct", bias=False,
+         s_in=0.4),
+    Case("one token N times", V=4, d=3, N=5, seed=14, composition="one-token"),
+]
+
+
+def corners(test):  # type: ignore[no-untyped-def]
+    for case in CORNERS:
+        test = example(case)(test)
+    return test
+
+
 def _assert_all_close(name: str, actual: np.ndarray, expected: np.ndarray, rtol: float) -> None:
     scale = max(1.0, float(np.max(np.abs(expected))) if np.size(expected) else 1.0)
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=name)
 
 
+@corners
 @given(small_cases())
 def test_sympy_equals_closed_form_on_every_entry_of_both_paths(case: Case) -> None:
     note(f"replay: {case}")
@@ -53,6 +70,7 @@ def test_sympy_equals_closed_form_on_every_entry_of_both_paths(case: Case) -> No
     _assert_all_close("loss", np.array(sym.loss), np.array(ref.loss), 1e-12)
 
 
+@corners
 @given(small_cases())
 def test_tied_reference_equals_central_differences_on_every_entry(case: Case) -> None:
     note(f"replay: {case}")
