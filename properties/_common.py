@@ -17,7 +17,7 @@ import numpy as np
 from tyingspec._adapters import ModelOutput, call_kernel, call_model
 from tyingspec._cases import Batch, Case, kernel_inputs
 from tyingspec._diagnosis import ArrayCheck, Diagnosis, compare, diagnose
-from tyingspec._probe import Array, IntArray, Parts, Paths, closed_form_paths
+from tyingspec._probe import Array, IntArray, Parts, Paths
 from tyingspec._tolerance import Tolerance, least_precise, tolerance_for
 
 Adapter = Callable[..., Any]
@@ -26,13 +26,6 @@ Adapter = Callable[..., Any]
 def judged_dtype(case: Case, *returned: Any) -> str:
     """The dtype a comparison is judged at: the least precise of the case's and the outputs'."""
     return least_precise(case.dtype, *[np.asarray(a).dtype for a in returned if a is not None])
-
-
-def closed_form(batch: Batch) -> Paths:
-    """The float64 closed-form reference paths of a batch."""
-    return closed_form_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
-                             None if batch.b is None else batch.b.astype(np.float64),
-                             batch.tokens, batch.targets, batch.res, batch.s_in)
 
 
 def concrete(case: Case, batch: Batch) -> Case:

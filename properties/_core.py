@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from hypothesis import assume, currently_in_test_context, event
 from hypothesis import strategies as st
@@ -82,7 +82,7 @@ def require_power(diag: Diagnosis, *, input_path: bool = True, output_path: bool
         discard("no power (a dropped path would pass on this example)")
 
 
-def discard(reason: str) -> None:
+def discard(reason: str) -> NoReturn:
     """Reject an example that cannot be evidence (``hypothesis.assume(False)``), recording the
     reason as a Hypothesis event inside a test; called directly, it raises
     ``hypothesis.errors.UnsatisfiedAssumption``."""
@@ -90,6 +90,7 @@ def discard(reason: str) -> None:
         raise UnsatisfiedAssumption(f"discarded: {reason}")
     event(f"discarded: {reason}")
     assume(False)
+    raise UnsatisfiedAssumption(f"discarded: {reason}")  # not reached: assume(False) raises
 
 
 def for_kind(kind: str) -> list[Property]:

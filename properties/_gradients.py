@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tyingspec._cases import Batch, Case, build, kernel_inputs
+from tyingspec._cases import Batch, Case, build, closed_form, kernel_inputs
 from tyingspec._diagnosis import diagnose
-from tyingspec._probe import Paths, closed_form_paths
+from tyingspec._probe import Paths
 from tyingspec._strategies import cases
 from tyingspec._symbolic import symbolic_paths
 
@@ -20,12 +20,13 @@ from ._core import PropertyFailure, register, require_power
 SYMBOLIC_ENTRIES = 6
 
 
-def reference(case: Case) -> Paths:
+def reference(b: Batch) -> Paths:
     """sympy-derived paths on small shapes, the closed form beyond them (always float64)."""
-    b = build(case)
-    f = symbolic_paths if case.V * case.d <= SYMBOLIC_ENTRIES else closed_form_paths
-    return f(b.E.astype("float64"), b.W.astype("float64"),
-             None if b.b is None else b.b.astype("float64"), b.tokens, b.targets, b.res, b.s_in)
+    if b.E.size > SYMBOLIC_ENTRIES:
+        return closed_form(b)
+    return symbolic_paths(b.E.astype("float64"), b.W.astype("float64"),
+                          None if b.b is None else b.b.astype("float64"), b.tokens, b.targets,
+                          b.res, b.s_in)
 
 
 class Observation(NamedTuple):
@@ -49,7 +50,7 @@ def observe(fn: Callable[..., Any], spec: str, kind: str, case: Case) -> Observa
 
         dE, _ = call_kernel(spec, fn, b.tokens, parts.input_rows, parts.h, parts.g, case.V)
     else:
-        dE, paths = run_model(spec, fn, b).dE, reference(case)
+        dE, paths = run_model(spec, fn, b).dE, reference(b)
     return Observation(dE, paths, concrete, b, judged_dtype(case, dE), dE_scale(b))
 
 

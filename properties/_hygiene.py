@@ -6,14 +6,13 @@ from typing import Any
 
 import numpy as np
 
-from tyingspec._cases import Case, build
+from tyingspec._cases import Case, build, closed_form
 from tyingspec._diagnosis import diagnose
 from tyingspec._strategies import cases
 
 from ._common import (
     Adapter,
     agree,
-    closed_form,
     concrete,
     dE_scale,
     judged_dtype,

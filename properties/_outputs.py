@@ -19,7 +19,7 @@ def loss_dW_db_right(fn: Adapter, spec: str, kind: str, case: Case) -> None:
     when b is."""
     batch = build(case)
     out = run_model(spec, fn, batch)
-    paths = reference(case)
+    paths = reference(batch)
     dtype = judged_dtype(case, out.dE, out.dW, out.db)
     checks = other_checks(out, paths, dtype, batch)
     bad = [c for c in checks if not c.ok]

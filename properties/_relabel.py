@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tyingspec._cases import Case, build
+from tyingspec._cases import Case, build, closed_form
 from tyingspec._diagnosis import diagnose
 from tyingspec._probe import Paths
 from tyingspec._strategies import cases
@@ -12,7 +12,6 @@ from tyingspec._strategies import cases
 from ._common import (
     Adapter,
     agree,
-    closed_form,
     concrete,
     dE_scale,
     judged_dtype,

@@ -17,13 +17,13 @@ that fits the output just as well.  The stateful and hygiene mutants have their 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
 
-from tyingspec._cases import Batch, Case, build
+from tyingspec._cases import Batch, Case, build, closed_form, sgd_step
 from tyingspec._diagnosis import Diagnosis, diagnose
 from tyingspec._implementations import REGISTRY
 from tyingspec._mutants import LOGIT_SCALE, reset_state
@@ -39,7 +39,6 @@ from tyingspec._tolerance import Tolerance, tolerance_for
 
 from ._common import (
     Adapter,
-    closed_form,
     concrete,
     dE_scale,
     judged_dtype,
@@ -49,9 +48,8 @@ from ._common import (
     rows_text,
     run_model,
 )
-from ._core import require_power
+from ._core import discard, require_power
 from ._gradients import observe
-from ._tie import STEP
 
 SignatureCheck = Callable[[Adapter, str, str, Case], None]
 
@@ -307,18 +305,18 @@ def _copy_tie(fn: Adapter, spec: str, kind: str, case: Case) -> None:
     require_power(d0)
     if d0.label != "correct":
         raise SignatureMismatch("copy-tie", "first call is wrong", conc, d0)
-    dE0 = np.asarray(first.dE, dtype=np.float64)
-    lr = STEP / float(np.max(np.abs(dE0)))
-    E0 = batch.E.astype(np.float64)
-    E1 = (E0 - lr * dE0).astype(batch.E.dtype)
-    second = run_model(spec, fn, batch, E=E1)
-    W, b = batch.W.astype(np.float64), None if batch.b is None else batch.b.astype(np.float64)
-    tied1 = closed_form_paths(E1.astype(np.float64), W, b, batch.tokens, batch.targets,
-                              batch.res, batch.s_in)
-    scale1 = dE_scale(replace(batch, E=E1))
+    step = sgd_step(batch, first.dE)
+    if step is None:
+        discard("the returned gradient is zero: the step would not move E")
+    stepped, lr = step
+    second = run_model(spec, fn, stepped)
+    tied1 = closed_form(stepped)
+    scale1 = dE_scale(stepped)
     d1 = diagnose(second.dE, tied1, dtype=dtype, scale=scale1)
-    U1 = (E0 - lr * np.asarray(paths0.dE_out)).astype(batch.E.dtype).astype(np.float64)
-    untied = closed_form_paths(E1.astype(np.float64), W, b, batch.tokens, batch.targets,
+    U1 = (batch.E.astype(np.float64) - lr * np.asarray(paths0.dE_out)).astype(
+        batch.E.dtype).astype(np.float64)
+    W, b = batch.W.astype(np.float64), None if batch.b is None else batch.b.astype(np.float64)
+    untied = closed_form_paths(stepped.E.astype(np.float64), W, b, batch.tokens, batch.targets,
                                batch.res, batch.s_in, E_out=U1)
     if not path_tolerance(untied, dtype, scale1).close(np.asarray(second.dE, np.float64),
                                                        untied.dE).all():

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import numpy as np
-
-from tyingspec._cases import Case, build
+from tyingspec._cases import SGD_STEP, Case, build, closed_form, sgd_step
 from tyingspec._diagnosis import diagnose
-from tyingspec._probe import closed_form_paths
 from tyingspec._strategies import cases
 
 from ._common import Adapter, concrete, dE_scale, judged_dtype, run_model
 from ._core import PropertyFailure, discard, register, require_power
-
-#: The SGD step moves the entry of E with the largest gradient by this much.
-STEP = 0.1
 
 
 @register("tie_survives_a_step", "ID", ("model",), lambda: cases())
@@ -28,17 +20,12 @@ def tie_survives_a_step(fn: Adapter, spec: str, kind: str, case: Case) -> None:
     identify the same model instance."""
     batch = build(case)
     first = run_model(spec, fn, batch)
-    dE0 = np.asarray(first.dE, dtype=np.float64)
-    peak = float(np.max(np.abs(dE0))) if dE0.size else 0.0
-    if peak == 0.0:
+    step = sgd_step(batch, first.dE)
+    if step is None:
         discard("the returned gradient is zero: the step would not move E")
-    lr = STEP / peak
-    E1 = (batch.E.astype(np.float64) - lr * dE0).astype(batch.E.dtype)
-    second = run_model(spec, fn, batch, E=E1)
-    paths = closed_form_paths(E1.astype(np.float64), batch.W.astype(np.float64),
-                              None if batch.b is None else batch.b.astype(np.float64),
-                              batch.tokens, batch.targets, batch.res, batch.s_in)
-    stepped = replace(batch, E=E1)
+    stepped, lr = step
+    second = run_model(spec, fn, stepped)
+    paths = closed_form(stepped)
     diag = diagnose(second.dE, paths, dtype=judged_dtype(case, second.dE),
                     scale=dE_scale(stepped))
     require_power(diag)
@@ -46,5 +33,5 @@ def tie_survives_a_step(fn: Adapter, spec: str, kind: str, case: Case) -> None:
         raise PropertyFailure(
             "tie_survives_a_step", "after one SGD step the gradient is no longer the tied one",
             concrete(case, batch), diagnosis=diag,
-            details=f"step: E <- E - {lr:.6g} * dE (largest entry moved by {STEP}); diagnosis "
+            details=f"step: E <- E - {lr:.6g} * dE (largest entry moved by {SGD_STEP}); diagnosis "
                     "of the call at the stepped E against the tied reference there")

@@ -12,7 +12,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ._probe import Array, IntArray, Parts, Paths, forward_parts, scatter_rows
+from ._probe import (
+    Array,
+    IntArray,
+    Parts,
+    Paths,
+    closed_form_paths,
+    forward_parts,
+    scatter_rows,
+)
 
 #: How the tokens of a batch are composed.  ``random``: uniform; ``distinct``: no repeats;
 #: ``repeats``: ``distinct`` tokens, each present, some repeated; ``one-token``: one token N times;
@@ -141,6 +149,30 @@ def standard_cases(seed: int) -> list[Case]:
         ("no-bias", dict(V=16, d=4, N=8, composition="repeats", distinct=5, bias=False)),
     ]
     return [Case(name=name, seed=case_seed(seed, name), **kw) for name, kw in specs]  # type: ignore[arg-type]
+
+
+def closed_form(batch: Batch) -> Paths:
+    """The float64 closed-form reference paths of a batch (whatever dtype its arrays are)."""
+    return closed_form_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
+                             None if batch.b is None else batch.b.astype(np.float64),
+                             batch.tokens, batch.targets, batch.res, batch.s_in)
+
+
+#: The SGD step ``tyingspec check`` and ``tie_survives_a_step`` take: the entry of E with the
+#: largest gradient moves by this much.
+SGD_STEP = 0.1
+
+
+def sgd_step(batch: Batch, dE: Array, step: float = SGD_STEP) -> tuple[Batch, float] | None:
+    """The batch at ``E - lr * dE`` (W and b kept), with ``lr`` chosen so the largest entry of
+    E moves by ``step``; None when ``dE`` is zero and the step would not move E."""
+    dE = np.asarray(dE, dtype=np.float64)
+    peak = float(np.max(np.abs(dE))) if dE.size else 0.0
+    if peak == 0.0:
+        return None
+    lr = step / peak
+    E1 = (batch.E.astype(np.float64) - lr * dE).astype(batch.E.dtype)
+    return replace(batch, E=E1), lr
 
 
 def kernel_inputs(batch: Batch) -> tuple[Parts, Paths]:

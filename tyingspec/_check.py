@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ._adapters import AdapterError, call_kernel, call_model, resolve
-from ._cases import Batch, Case, build, kernel_inputs
+from ._cases import Batch, Case, build, closed_form, kernel_inputs, sgd_step
 from ._diagnosis import ArrayCheck, Diagnosis, compare, diagnose
-from ._probe import closed_form_paths
 from ._tolerance import tolerance_for
 
 STATUSES = ("correct", "no_power", "wrong", "adapter_error")
-#: The step the model is stepped by before its second call: the largest entry of E moves by this.
-STEP = 0.1
 FIRST_CALL, AFTER_STEP = "first call", "after one SGD step"
 
 
@@ -56,9 +53,7 @@ class CaseResult:
 
 def _model_call(spec: str, fn: Callable[..., Any], batch: Batch,
                 dtype: str) -> tuple[Diagnosis, tuple[str, ...], np.ndarray]:
-    paths = closed_form_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
-                              None if batch.b is None else batch.b.astype(np.float64),
-                              batch.tokens, batch.targets, batch.res, batch.s_in)
+    paths = closed_form(batch)
     out = call_model(spec, fn, batch.E, batch.W, batch.b, batch.tokens, batch.targets,
                      res=batch.res, s_in=batch.s_in)
     others: list[ArrayCheck] = [
@@ -82,11 +77,10 @@ def _evaluate(spec: str, fn: Callable[..., Any], kind: str, batch: Batch,
                                   batch.E.shape[0])
         return diagnose(dE, paths, dtype=dtype, mutated=mutated), mutated, FIRST_CALL
     diag, mutated, dE = _model_call(spec, fn, batch, dtype)
-    peak = float(np.max(np.abs(dE))) if dE.size else 0.0
-    if diag.wrong or mutated or peak == 0.0:
+    stepped = None if diag.wrong or mutated else sgd_step(batch, dE)
+    if stepped is None:
         return diag, mutated, FIRST_CALL
-    E1 = (batch.E.astype(np.float64) - (STEP / peak) * dE.astype(np.float64)).astype(batch.E.dtype)
-    diag1, mutated1, _ = _model_call(spec, fn, replace(batch, E=E1), dtype)
+    diag1, mutated1, _ = _model_call(spec, fn, stepped[0], dtype)
     if diag1.wrong or mutated1:
         return diag1, mutated1, AFTER_STEP
     return diag, mutated, FIRST_CALL
