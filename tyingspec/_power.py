@@ -20,11 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-from hypothesis import seed as hypothesis_seed
-from hypothesis.errors import Flaky, Unsatisfiable, UnsatisfiedAssumption
-from hypothesis.strategies import SearchStrategy
-
 from ._adapters import AdapterError
 from ._cases import Case
 from ._implementations import REGISTRY, Implementation
@@ -160,6 +155,12 @@ def run_property(prop: Any, impl: Implementation, kind: str, *, max_examples: in
                  seed: int | None = None) -> Cell:
     """Run one property against one implementation with Hypothesis; stop at the first failure
     (then shrink it).  State of stateful mutants is reset first, so runs do not interact."""
+    # Hypothesis loads here, not at import: the CLI builds this command's parser on every run.
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis.errors import Flaky, Unsatisfiable, UnsatisfiedAssumption
+    from hypothesis.strategies import SearchStrategy
+
     from tyingspec.properties import PropertyFailure
 
     from . import _mutants
