@@ -28,6 +28,7 @@ from ._common import (
     HOLDS,
     ProgressFactory,
     Result,
+    pyplot,
     render,
     silent_progress,
     single_threaded_blas,
@@ -108,7 +109,9 @@ def run_experiment(name: str, *, seeds: Sequence[int] | None = None, quick: bool
     with single_threaded_blas():
         result: Result = exp.module.run(chosen, quick=quick, progress=progress)
     if out is not None:
-        paths = [write_json(result, out), exp.module.plot(result, out / f"{name}.png")]
+        plt = pyplot()  # None (after one notice) without matplotlib: the JSON still goes out
+        png = exp.module.plot(result, out / f"{name}.png", plt) if plt is not None else None
+        paths = [write_json(result, out), png]
         if written is not None:
             written.extend(p for p in paths if p is not None)
     return result

@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +18,6 @@ from ._common import (
     Result,
     Row,
     direction_row,
-    pyplot,
     save_figure,
     silent_progress,
 )
@@ -172,10 +172,7 @@ def run(seeds: Sequence[int] = (0,), *, quick: bool = False,
     )
 
 
-def plot(result: Result, path: Path) -> Path | None:
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(result: Result, path: Path, plt: Any) -> Path:
     s = result.series
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     ax.plot(s["k"], s["closed_form_with_replacement"], "-", color="#1f77b4",

@@ -21,7 +21,6 @@ from ._common import (
     Result,
     Row,
     direction_row,
-    pyplot,
     save_figure,
     silent_progress,
 )
@@ -185,10 +184,7 @@ def run(seeds: Sequence[int] = (0,), *, quick: bool = False,
     )
 
 
-def plot(result: Result, path: Path) -> Path | None:
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(result: Result, path: Path, plt: Any) -> Path:
     seed = str(result.seeds[0])
     data = result.series["per_seed"][seed]
     names = list(data)

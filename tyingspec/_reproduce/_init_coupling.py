@@ -17,7 +17,6 @@ from ._common import (
     Row,
     direction_row,
     figure_row,
-    pyplot,
     save_figure,
     silent_progress,
 )
@@ -192,10 +191,7 @@ def run(seeds: Sequence[int] = (0, 1, 2, 3, 4), *, quick: bool = False,
     )
 
 
-def plot(result: Result, path: Path) -> Path | None:
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(result: Result, path: Path, plt: Any) -> Path:
     f = result.series["fine"]
     c = result.series["coarse"]
     sig, s_in = np.asarray(f["sigma"]), np.asarray(f["s_in"])

@@ -17,7 +17,6 @@ from ._common import (
     Row,
     direction_row,
     figure_row,
-    pyplot,
     save_figure,
     silent_progress,
     spread_text,
@@ -143,10 +142,7 @@ def run(seeds: Sequence[int] = (0, 1, 2), *, quick: bool = False,
     )
 
 
-def plot(result: Result, path: Path) -> Path | None:
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(result: Result, path: Path, plt: Any) -> Path:
     s = result.series
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     colors = {"tied": "#1f77b4", "output-path-only": "#d62728"}

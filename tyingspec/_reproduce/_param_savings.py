@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ._common import (
     ProgressFactory,
@@ -13,7 +14,6 @@ from ._common import (
     Row,
     direction_row,
     fmt_int,
-    pyplot,
     save_figure,
     silent_progress,
 )
@@ -170,10 +170,7 @@ def run(seeds: Sequence[int] = (), *, quick: bool = False,
     )
 
 
-def plot(result: Result, path: Path) -> Path | None:
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(result: Result, path: Path, plt: Any) -> Path:
     configs = result.series["configs"]
     claims = {c.name: claim for _, claim, cs in CLAIMS for c in cs}
     names = list(configs)

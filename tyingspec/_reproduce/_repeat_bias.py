@@ -15,7 +15,6 @@ from ._common import (
     Result,
     Row,
     direction_row,
-    pyplot,
     save_figure,
     seeded_row,
     silent_progress,
@@ -173,10 +172,7 @@ def run(seeds: Sequence[int] = (0, 1, 2, 3, 4), *, quick: bool = False,
     )
 
 
-def plot(result: Result, path: Path) -> Path | None:
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(result: Result, path: Path, plt: Any) -> Path:
     s = result.series
     seeds = list(s["per_seed"])
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.3))
