@@ -6,7 +6,9 @@ Use them directly::
     from hypothesis import given
     from tyingspec.properties import PROPERTIES
     prop = PROPERTIES["sum_of_paths"]
-    given(prop.strategy())(lambda case: prop.check(my_fn, "mymod:my_fn", "model", case))()
+    from tyingspec import load
+    target = load("mymod:my_fn", "model")
+    given(prop.strategy())(lambda case: prop.check(target, case))()
 
 Every property's docstring (``PROPERTIES[name].doc``) states its invariant.  ``cases`` is the
 strategy they draw from (see :mod:`tyingspec._strategies`); ``SIGNATURES`` are the mutant zoo's
@@ -33,9 +35,10 @@ from ._core import (
     PropertyFailure,
     discard,
     for_kind,
+    label_locked,
     register,
     require_power,
 )
 
 __all__ = ["PROPERTIES", "Property", "PropertyFailure", "cases", "compositions", "discard",
-           "for_kind", "register", "require_power"]
+           "for_kind", "label_locked", "register", "require_power"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from hypothesis import assume, currently_in_test_context, event
 from hypothesis import strategies as st
@@ -19,28 +19,32 @@ from hypothesis.errors import UnsatisfiedAssumption
 
 from tyingspec._cases import Case
 from tyingspec._diagnosis import Diagnosis
+from tyingspec._engine import Target
+from tyingspec._render import batch_lines, diagnosis_lines
 
-Check = Callable[[Callable[..., Any], str, str, Case], None]
+#: A property's check: raises PropertyFailure when the invariant is broken for ``target`` on
+#: ``case``, AdapterError when the adapter misbehaves, discards a powerless example.
+Check = Callable[[Target, Case], None]
 
 
 class PropertyFailure(AssertionError):
     """An invariant does not hold: the message puts the diagnosis first, then the batch."""
 
     def __init__(self, prop: str, headline: str, case: Case, *,
-                 diagnosis: Diagnosis | None = None, details: str = "") -> None:
+                 diagnosis: Diagnosis | None = None, details: str = "",
+                 stage: str = "first call") -> None:
         self.prop, self.headline, self.case = prop, headline, case
-        self.diagnosis, self.details = diagnosis, details
-        lines = [f"property {prop} does not hold: {headline}"]
-        if diagnosis is not None:
-            lines.append(f"diagnosis: {diagnosis.headline()}")
-            lines.append(f"rows: {diagnosis.rows_wrong} wrong of {diagnosis.rows_total}; "
-                         f"wrong rows {diagnosis.wrong_rows[:16]}"
-                         + (" ..." if len(diagnosis.wrong_rows) > 16 else ""))
-        if details:
-            lines.append(details)
-        lines.append(f"batch: {case.describe()} tokens={list(case.tokens or ())} "
-                     f"targets={list(case.targets or ())}")
-        super().__init__("\n".join(lines))
+        self.diagnosis, self.details, self.stage = diagnosis, details, stage
+        super().__init__("\n".join(self.lines(indent="")))
+
+    def lines(self, indent: str = "  ") -> list[str]:
+        """Diagnosis first, then the property's own details, then the batch."""
+        out = [f"property {self.prop} does not hold: {self.headline}"]
+        if self.diagnosis is not None:
+            out += diagnosis_lines(self.diagnosis, stage=self.stage, indent=indent)
+        if self.details:
+            out.append(indent + self.details)
+        return out + ["batch:", *batch_lines(self.case, indent=indent or "  ")]
 
     @property
     def label(self) -> str:
@@ -54,31 +58,39 @@ class Property:
     name: str
     invariant: str
     doc: str
-    kinds: tuple[str, ...]
     strategy: Callable[[], st.SearchStrategy[Case]]
     check: Check
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds whose entry in the kind table lists this property."""
+        from tyingspec._kinds import KINDS
+
+        return tuple(k for k, spec in KINDS.items() if self.name in spec.properties)
 
 
 PROPERTIES: dict[str, Property] = {}
 
 
-def register(name: str, invariant: str, kinds: tuple[str, ...],
+def register(name: str, invariant: str,
              strategy: Callable[[], st.SearchStrategy[Case]]) -> Callable[[Check], Check]:
     """Decorator: register ``check`` as property ``name``; its docstring states the invariant."""
 
     def deco(check: Check) -> Check:
         if name in PROPERTIES:
             raise ValueError(f"property {name!r} registered twice")
-        PROPERTIES[name] = Property(name, invariant, (check.__doc__ or "").strip(), kinds,
-                                    strategy, check)
+        PROPERTIES[name] = Property(name, invariant, (check.__doc__ or "").strip(), strategy,
+                                    check)
         return check
 
     return deco
 
 
-def require_power(diag: Diagnosis, *, input_path: bool = True, output_path: bool = True) -> None:
-    """Discard an example that could not have caught a dropped path (recorded as an event)."""
-    if (input_path and not diag.power.input_path) or (output_path and not diag.power.output_path):
+def require_power(diag: Diagnosis) -> None:
+    """Discard an example whose verdict is ``no_power`` (recorded as an event): it could not
+    have caught a dropped path, so it is not evidence either way.  A wrong verdict is never
+    discarded: ``tyingspec check`` would report it, and so does the property."""
+    if diag.label == "no_power":
         discard("no power (a dropped path would pass on this example)")
 
 
@@ -94,4 +106,27 @@ def discard(reason: str) -> NoReturn:
 
 
 def for_kind(kind: str) -> list[Property]:
-    return [p for p in PROPERTIES.values() if kind in p.kinds]
+    """The properties that apply to ``kind``, as its entry in the kind table lists them."""
+    from tyingspec._kinds import kind_spec
+
+    return [PROPERTIES[name] for name in kind_spec(kind).properties]
+
+
+def label_locked(check: Check) -> Check:
+    """``check`` for one Hypothesis run in which every failure keeps the first failure's
+    diagnosis label: shrinking then ends at the smallest batch *with that diagnosis*, not at a
+    batch so small that two bugs look alike (one present row hides a padding mask behind
+    "input path missing").  Examples failing with another label are discarded, not passed."""
+    first: list[str] = []
+
+    def locked(target: Target, case: Case) -> None:
+        try:
+            check(target, case)
+        except PropertyFailure as exc:
+            if not first:
+                first.append(exc.label)
+            elif exc.label != first[0]:
+                discard(f"shrinking keeps the diagnosis {first[0]} (this batch: {exc.label})")
+            raise
+
+    return locked

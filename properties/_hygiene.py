@@ -2,73 +2,56 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from tyingspec._cases import Case, build, closed_form
-from tyingspec._diagnosis import diagnose
+from tyingspec._adapters import Returned
+from tyingspec._cases import Case, build
+from tyingspec._engine import Target, agree, call, declared, judge, precision_for, reference
 from tyingspec._strategies import cases
 
-from ._common import (
-    Adapter,
-    agree,
-    concrete,
-    dE_scale,
-    judged_dtype,
-    kernel_case,
-    natural_scales,
-    run_model,
-)
 from ._core import PropertyFailure, register
 
 
-@register("inputs_untouched", "PURE", ("model", "kernel"), lambda: cases())
-def inputs_untouched(fn: Adapter, spec: str, kind: str, case: Case) -> None:
+@register("inputs_untouched", "PURE", lambda: cases())
+def inputs_untouched(target: Target, case: Case) -> None:
     """The implementation does not write into any array it is given (E, W, b, tokens, targets
     for a model; tokens, dx, h, g for a kernel): compared bitwise, since any write is a
     mutation even when it writes back equal values."""
+    case = declared(target, case)
     batch = build(case)
-    paths = closed_form(batch)
-    if kind == "kernel":
-        k, _, _ = kernel_case(batch)
-        dE, mutated = k.call(spec, fn)
-    else:
-        out = run_model(spec, fn, batch)
-        dE, mutated = out.dE, out.mutated
-    if mutated:
-        diag = diagnose(dE, paths, dtype=judged_dtype(case, dE), mutated=mutated,
-                        scale=dE_scale(batch))
-        raise PropertyFailure("inputs_untouched", "wrote into its inputs: " + ", ".join(mutated),
-                              concrete(case, batch), diagnosis=diag)
+    got = call(target, batch)
+    if got.mutated:
+        diag = judge(got, reference(target, batch), precision_for(target, got))
+        raise PropertyFailure("inputs_untouched", "wrote into its inputs: "
+                              + ", ".join(got.mutated),
+                              case.with_batch(batch.tokens, batch.targets), diagnosis=diag)
 
 
-def _outputs(spec: str, fn: Adapter, kind: str, batch: Any) -> dict[str, Any]:
-    if kind == "kernel":
-        k, _, _ = kernel_case(batch)
-        return {"dE": k.call(spec, fn)[0]}
-    out = run_model(spec, fn, batch)
-    return {"loss": out.loss, "dE": out.dE, "dW": out.dW, "db": out.db}
+def _values(r: Returned) -> dict[str, object]:
+    return {"dE": r.dE, "loss": r.loss, "dW": r.dW, "db": r.db}
 
 
-@register("same_call_same_gradient", "FRESH", ("model", "kernel"), lambda: cases())
-def same_call_same_gradient(fn: Adapter, spec: str, kind: str, case: Case) -> None:
+@register("same_call_same_gradient", "FRESH", lambda: cases())
+def same_call_same_gradient(target: Target, case: Case) -> None:
     """Calling the implementation twice on the same inputs gives the same outputs (dE, and for a
     model the loss, dW and db): no gradient buffer, cache or random state leaks from one call
-    into the next.  Compared under the dtype's atol and rtol, not bitwise: a scatter with
-    atomics may legitimately sum in a different order each call; a leaked buffer is off by a
-    whole gradient."""
+    into the next.  Compared within the rounding bound, not bitwise: a scatter with atomics may
+    legitimately sum in a different order each call; a leaked buffer is off by a whole
+    gradient."""
+    case = declared(target, case)
     batch = build(case)
-    first = _outputs(spec, fn, kind, batch)
-    second = _outputs(spec, fn, kind, batch)
-    paths = closed_form(batch)
-    dtype = judged_dtype(case, *[v for v in first.values() if isinstance(v, np.ndarray)])
-    scales = natural_scales(batch)
-    differ = [k for k, v in first.items()
-              if v is not None and not agree(second[k], v, dtype, scales[k]).all()]
+    first, second = call(target, batch), call(target, batch)
+    paths = reference(target, batch)
+    precision = precision_for(target, first, second)
+    a, b = _values(first), _values(second)
+    differ = [k for k, v in a.items()
+              if v is not None and not agree(k, b[k], v, paths, precision).all()]
     if differ:
-        diag = diagnose(second["dE"], paths, dtype=dtype, scale=scales["dE"])
+        diag = judge(second, paths, precision)
+        gap = float(np.max(np.abs(np.asarray(second.dE, np.float64)
+                                  - np.asarray(first.dE, np.float64)), initial=0.0))
         raise PropertyFailure("same_call_same_gradient",
                               "the second identical call returned different " + ", ".join(differ),
-                              concrete(case, batch), diagnosis=diag,
-                              details="diagnosis of the second call's dE")
+                              case.with_batch(batch.tokens, batch.targets), diagnosis=diag,
+                              details="diagnosis of the second call's dE; the two calls' dE "
+                                      f"differ by up to {gap:.3g}")

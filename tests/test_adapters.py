@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 
 import numpy as np
 import pytest
 
-from tyingspec import AdapterError, Case, build, call_kernel, call_model, resolve
+from tyingspec import KINDS, AdapterError, Case, build, load, resolve
+from tyingspec._adapters import call_kernel, call_model
 
 B = build(Case("a", V=6, d=3, N=5, seed=1, composition="repeats"))
+INPUTS = KINDS["model"].inputs(B)
 
 
 def _good(E, W, b, tokens, targets, *, res, s_in):  # type: ignore[no-untyped-def]
@@ -19,7 +23,7 @@ def _good(E, W, b, tokens, targets, *, res, s_in):  # type: ignore[no-untyped-de
 
 
 def _call(fn) -> object:  # type: ignore[no-untyped-def]
-    return call_model("user:f", fn, B.E, B.W, B.b, B.tokens, B.targets, res=1.0, s_in=1.0)
+    return call_model("user:f", fn, INPUTS)
 
 
 def _with(**changes):  # type: ignore[no-untyped-def]
@@ -87,8 +91,39 @@ def test_mutating_adapter_is_reported_and_callers_arrays_stay_untouched() -> Non
 
 def test_kernel_adapter_wrong_shape_names_the_kernel_contract() -> None:
     with pytest.raises(AdapterError, match=r"key 'dE': wrong shape; expected shape \(6, 3\)"):
-        call_kernel("k:f", lambda t, dx, h, g, V: np.zeros((V, 2)), B.tokens,
-                    np.zeros((5, 3)), np.zeros((5, 3)), np.zeros((5, 6)), 6)
+        call_kernel("k:f", lambda t, dx, h, g, V: np.zeros((V, 2)),
+                    {"tokens": B.tokens, "dx": np.zeros((5, 3)), "h": np.zeros((5, 3)),
+                     "g": np.zeros((5, 6)), "vocab_size": 6})
+
+
+def test_a_kernel_adapter_checked_as_a_model_is_told_which_kind_it_looks_like() -> None:
+    def combine(tokens, dx, h, g, vocab_size):  # type: ignore[no-untyped-def]
+        return g.T @ h
+
+    import types as _t
+
+    mod = _t.ModuleType("tyingspec_kind_probe")
+    mod.combine = combine  # type: ignore[attr-defined]
+    sys.modules["tyingspec_kind_probe"] = mod
+    try:
+        with pytest.raises(AdapterError) as info:
+            load("tyingspec_kind_probe:combine", "model")
+    finally:
+        del sys.modules["tyingspec_kind_probe"]
+    msg = str(info.value)
+    assert "does not match the model contract" in msg and "--kind kernel" in msg, msg
+    assert "f(E, W, b, tokens, targets, *, res, s_in)" in msg, msg
+
+
+def test_resolving_a_user_adapter_does_not_load_the_mutant_zoo(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "user_adapter.py").write_text("def f(E, W, b, tokens, targets, *, res, s_in):\n"
+                                              "    return {}\n")
+    code = ("import sys; from tyingspec import load; load('user_adapter:f', 'model'); "
+            "print('tyingspec._mutants' in sys.modules, 'tyingspec._implementations' in "
+            "sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, check=True, env={"PYTHONPATH": str(tmp_path)})
+    assert out.stdout.split() == ["False", "False"], out
 
 
 def test_unimportable_and_missing_attributes_and_unknown_builtins_are_adapter_errors(

@@ -81,7 +81,8 @@ def test_replay_line_reproduces_the_shrunk_failure(capsys: pytest.CaptureFixture
 
 BAD_ADAPTERS = {
     "raises": ("def f(E, W, b, tokens, targets, *, res, s_in):\n"
-               "    raise RuntimeError('kernel launch failed')\n", "RuntimeError: kernel launch failed"),
+               "    raise RuntimeError('kernel launch failed')\n",
+               "RuntimeError: kernel launch failed"),
     "shape": ("import numpy as np\n"
               "def f(E, W, b, tokens, targets, *, res, s_in):\n"
               "    return {'loss': 0.0, 'dE': np.zeros((E.shape[1], E.shape[0])), "

@@ -79,8 +79,32 @@ def test_float32_implementation_is_judged_with_float32_tolerances() -> None:
     assert diagnose(dE32, paths, dtype=np.float64).label != "correct"
 
 
+def test_row_bound_scales_with_the_precision_and_each_rows_own_arithmetic() -> None:
+    from tyingspec._tolerance import UNIT_ROUNDOFF, row_tolerance
+
+    _, paths = _paths(POWERFUL[1])
+    assert paths.terms is not None
+    t64 = np.asarray(row_tolerance(paths.terms, "float64").atol).ravel()
+    t32 = np.asarray(row_tolerance(paths.terms, "float32").atol).ravel()
+    np.testing.assert_allclose(t32 / t64, UNIT_ROUNDOFF["float32"] / UNIT_ROUNDOFF["float64"],
+                               rtol=1e-12, atol=0)
+    # rows with more arithmetic (larger a_v) get a larger bound: not one flat atol
+    order = np.argsort(paths.terms.rows)
+    assert t64[order[-1]] > t64[order[0]]
+    assert (t64 > 0).all()  # never a bare zero (or 1e-300) allowance
+
+
+def test_rounding_noise_without_power_is_never_given_a_path_label() -> None:
+    case = next(c for c in standard_cases(0) if c.name == "v-equals-1")
+    b, paths = _paths(case)
+    noisy = paths.dE + 1e-3  # far beyond rounding, on an example where no path shows
+    diag = diagnose(noisy, paths)
+    assert not diag.power.input_path and not diag.power.output_path
+    assert diag.label == "unknown", diag.headline()
+
+
 def test_a_wrong_dW_with_a_right_dE_is_reported() -> None:
-    from tyingspec import compare, tolerance_for
+    from tyingspec import compare, tolerance_for  # a flat tolerance is fine for this check
 
     _, paths = _paths(POWERFUL[1])
     bad = compare("dW", paths.dW * 1.01, paths.dW, tolerance_for("float64", paths.dW))

@@ -13,9 +13,8 @@ from hypothesis import given
 from tyingspec.properties import PROPERTIES
 from tyingspec.properties._signatures import SIGNATURES, missing_signatures
 
-from tyingspec import LABELS, REGISTRY, Case, Implementation
-from tyingspec._mutants import MUTANT, STATEFUL, STYLE, mutants, reset_state, styles
-from tyingspec._power import (
+from tyingspec import LABELS, REGISTRY, Case, Implementation, load
+from tyingspec._kill_matrix import (
     FAILED,
     KILLED,
     PASSED,
@@ -27,6 +26,7 @@ from tyingspec._power import (
     run_row,
     targets,
 )
+from tyingspec._mutants import MUTANT, STATEFUL, STYLE, mutants, reset_state, styles
 
 # The kill matrix pins its own Hypothesis budget (bounded, derandomized): it is a measurement of
 # the suite's power, not a test the profile should scale.  Rows are static, so xdist workers
@@ -69,9 +69,11 @@ def test_every_mutant_has_a_fingerprint() -> None:
     assert set(SIGNATURES) == ZOO
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kind", MUTANT_ROWS, ids=_ids(MUTANT_ROWS))
-def test_mutant_is_killed_by_some_property(name: str, kind: str) -> None:
+def test_mutant_is_killed_by_some_property_with_its_registry_label(name: str, kind: str) -> None:
     row = run_row(REGISTRY[name], kind, max_examples=MATRIX_EXAMPLES)
+    assert row.label == REGISTRY[name].expected, (row.label, REGISTRY[name].expected)
     assert row.killed_by, f"{name} ({kind}) survived every property: " + ", ".join(
         f"{p}: {c.status} ({c.examples} examples)" for p, c in row.cells.items())
     assert all(c.status in (KILLED, SURVIVED) for c in row.cells.values()), row.cells
@@ -80,6 +82,7 @@ def test_mutant_is_killed_by_some_property(name: str, kind: str) -> None:
     assert small.case.N <= 4, f"shrinking should end at a small batch: {small.case}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kind", STYLE_ROWS, ids=_ids(STYLE_ROWS))
 def test_correct_style_passes_every_property(name: str, kind: str) -> None:
     row = run_row(REGISTRY[name], kind, max_examples=MATRIX_EXAMPLES)
@@ -91,12 +94,12 @@ def test_correct_style_passes_every_property(name: str, kind: str) -> None:
 @pytest.mark.parametrize("name,kind", SIGNATURE_ROWS, ids=_ids(SIGNATURE_ROWS))
 def test_mutant_shows_its_fingerprint_on_drawn_batches(name: str, kind: str) -> None:
     sig = SIGNATURES[name]
-    fn = REGISTRY[name].adapter(kind)
+    target = load(name, kind)
     reset_state()
 
     @given(sig.strategy())
     def fingerprint(case: Case) -> None:
-        sig.check(fn, name, kind, case)
+        sig.check(target, case)
 
     fingerprint()
 

@@ -86,7 +86,7 @@ def test_each_broken_kernel_fails_with_its_named_verdict(
     result = run(repo, f"--tyingspec-adapter=adapters:{adapter}", "--tyingspec-kind=kernel",
                  *FAST, "-k", "sum_of_paths", *xdist)
     assert result.ret == 1
-    assert f"verdict: {label}" in result.stdout.str()
+    assert f"diagnosis: {label}" in result.stdout.str()
     result.stdout.fnmatch_lines([f"FAILED tyingspec::test_sum_of_paths - {label}: *"])
 
 
@@ -97,8 +97,8 @@ def test_a_failure_prints_the_diagnosis_then_the_smallest_batch_then_a_replay_li
     assert first.ret == 1
     out = first.stdout.str()
     order = ["tyingspec: property sum_of_paths does not hold",
-             "verdict: input_path_missing: input path missing",
-             "path: input path missing on rows",
+             "diagnosis: input_path_missing: input path missing",
+             "input path missing: rows",
              "rows: ",
              "smallest failing batch (shrunk by Hypothesis):",
              "replay:",
@@ -133,10 +133,12 @@ def test_a_model_adapter_failure_on_a_replayed_batch_names_path_rows_and_verdict
     result.stdout.fnmatch_lines([
         ("tyingspec: property sum_of_paths does not hold for adapter "
         "'adapters:output_path_only_model' (model): *"),
-        "verdict: input_path_missing: * (wrong on exactly the 6 present rows)",
-        "path: input path missing on rows *",
-        "rows: 6 wrong of 16 (10 exactly right); wrong rows *",
-        "error: max abs *, max rel * (atol *, rtol *)",
+        "diagnosis: input_path_missing: * (wrong on exactly the 6 present rows)",
+        "rows: 6 wrong, 10 of 16 (62.5%) exactly right; wrong rows *",
+        "  input path missing: rows *",
+        "power: input path yes, output path yes, duplicates n/a",
+        "judged at float64: worst row *x its rounding bound; max abs error *, max rel error * "
+        "under atol *, rtol=* (float64 rounding bound)",
         "",
         "failing batch (replayed):",
         "  V=16 d=4 N=6 *seed=3",
@@ -156,7 +158,7 @@ def test_an_adapter_error_is_reported_as_such_not_as_a_wrong_gradient(
     out = result.stdout.str()
     assert "tyingspec: adapter error in property sum_of_paths" in out
     assert "key 'dE': wrong shape" in out
-    assert "verdict: " not in out
+    assert "diagnosis: " not in out
     result.stdout.fnmatch_lines(["FAILED tyingspec::test_sum_of_paths - adapter_error: *"])
 
 

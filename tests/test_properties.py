@@ -1,5 +1,6 @@
 """Each property holds for every correct implementation and catches the mutant it targets,
-naming it; the strategies draw every composition they promise; properties import from an
+naming it; every mutant fingerprint holds for its mutant and fails for a correct
+implementation; the strategies draw every composition they promise; properties import from an
 installed tyingspec."""
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import UnsatisfiedAssumption
-from tyingspec.properties import PROPERTIES, PropertyFailure
+from tyingspec.properties import PROPERTIES, PropertyFailure, for_kind
+from tyingspec.properties._signatures import SIGNATURES, SignatureMismatch
 
 from tyingspec import LABELS, REGISTRY, Case, build
 from tyingspec._cases import COMPOSITIONS
-from tyingspec._power import KILLED, run_property
+from tyingspec._engine import Target, load
+from tyingspec._kill_matrix import KILLED, run_property
+from tyingspec._kinds import KINDS
 from tyingspec._strategies import cases
 
 PROPERTIES_DIR = Path(__file__).resolve().parents[1] / "properties"
@@ -54,10 +58,11 @@ TARGETS: list[tuple[str, str, str, set[str]]] = [
     ("loss_dW_db_right", "model", "db-sum-not-mean", {"other_gradient_wrong"}),
     ("inputs_untouched", "model", "sorts-tokens-in-place", {"inputs_mutated"}),
     ("inputs_untouched", "kernel", "sorts-tokens-in-place", {"inputs_mutated"}),
+    # the second identical call is judged on its own: twice the gradient, both paths x2
     ("same_call_same_gradient", "model", "grad-not-zeroed", {"path_scaled"}),
     ("same_call_same_gradient", "kernel", "grad-not-zeroed", {"path_scaled"}),
-    # tiny shrunk batches can make a diverged head look like a scaled path
-    ("tie_survives_a_step", "model", "copy-tie", {"output_path_wrong", "path_scaled"}),
+    # the engine names a copied tie after the step (its untied gradient fits there)
+    ("tie_survives_a_step", "model", "copy-tie", {"tie_is_a_copy"}),
     ("linear_in_dx", "kernel", "grad-not-zeroed", set(LABELS)),
     ("linear_in_g", "kernel", "grad-not-zeroed", set(LABELS)),
 ]
@@ -71,16 +76,28 @@ def test_every_property_is_registered_with_a_statement_and_its_kinds() -> None:
         assert prop.invariant.isupper()
     assert {p for p in PROPERTIES if PROPERTIES[p].kinds == ("kernel",)} == {"linear_in_dx",
                                                                            "linear_in_g"}
+    assert {p for p in PROPERTIES if PROPERTIES[p].kinds == ("model",)} == {"loss_dW_db_right",
+                                                                          "tie_survives_a_step"}
+
+
+def test_the_kind_table_lists_registered_properties_once_each() -> None:
+    # Property.kinds is derived from the table: a name the table lists but nothing registers (a
+    # typo, a renamed property) would silently never run, so check the table against PROPERTIES.
+    for kind, table in KINDS.items():
+        assert len(set(table.properties)) == len(table.properties), kind
+        assert set(table.properties) <= set(PROPERTIES), set(table.properties) - set(PROPERTIES)
+        assert [p.name for p in for_kind(kind)] == list(table.properties)
+    assert {p for t in KINDS.values() for p in t.properties} == set(PROPERTIES)
 
 
 @pytest.mark.parametrize("prop,kind,name", PASSING, ids=lambda v: str(v))
 def test_property_holds_for_a_correct_implementation(prop: str, kind: str, name: str) -> None:
     p = PROPERTIES[prop]
-    fn = REGISTRY[name].adapter(kind)
+    target = load(name, kind)
 
     @given(p.strategy())
     def check(case: Case) -> None:
-        p.check(fn, name, kind, case)
+        p.check(target, case)
 
     check()
 
@@ -100,13 +117,14 @@ def test_property_catches_its_target_mutant_with_the_right_diagnosis(
 def test_a_failure_message_puts_the_diagnosis_first_then_the_rows_then_the_batch() -> None:
     case = Case("m", V=12, d=3, N=4, seed=5, composition="distinct")
     with pytest.raises(PropertyFailure) as info:
-        PROPERTIES["sum_of_paths"].check(REGISTRY["output-path-only"].model, "output-path-only",
-                                         "model", case)
+        PROPERTIES["sum_of_paths"].check(load("output-path-only", "model"), case)
     lines = str(info.value).splitlines()
     assert lines[0].startswith("property sum_of_paths does not hold")
-    assert lines[1].startswith("diagnosis: input path missing")
-    assert lines[2].startswith("rows: 4 wrong of 12")
-    assert lines[-1].startswith("batch: V=12 d=3 N=4") and "tokens=[" in lines[-1]
+    assert lines[1].startswith("diagnosis: input_path_missing: input path missing")
+    assert lines[2].startswith("rows: 4 wrong, 8 of 12 (66.7%) exactly right; wrong rows [")
+    assert lines.index("batch:") > 2
+    assert lines[-2].strip().startswith("V=12 d=3 N=4")
+    assert lines[-1].strip().startswith("composition=distinct tokens=[")
     assert info.value.label == "input_path_missing"
 
 
@@ -121,18 +139,16 @@ def test_an_example_without_power_is_discarded_not_counted() -> None:
     vacuous = Case("zero-E", V=8, d=3, N=5, seed=2, e_scale=0.0)
     for name in ("sum_of_paths", "absent_rows_are_output_path", "micro_batches_accumulate"):
         with pytest.raises(UnsatisfiedAssumption):
-            PROPERTIES[name].check(REGISTRY["output-path-only"].model, "output-path-only",
-                                   "model", vacuous)
+            PROPERTIES[name].check(load("output-path-only", "model"), vacuous)
     with pytest.raises(UnsatisfiedAssumption):  # V = 1: g = 0, both paths vanish
-        PROPERTIES["sum_of_paths"].check(REGISTRY["input-path-only"].kernel, "input-path-only",
-                                         "kernel", Case("v1", V=1, d=2, N=3, seed=0))
+        PROPERTIES["sum_of_paths"].check(load("input-path-only", "kernel"),
+                                         Case("v1", V=1, d=2, N=3, seed=0))
 
 
 def test_a_float32_implementation_is_judged_at_float32_and_float64_one_at_float64() -> None:
     case64 = Case("f", V=10, d=4, N=6, seed=3, composition="repeats", distinct=3)
     # float32 end to end on float64 inputs: judged at float32 by the dtype it returns
-    PROPERTIES["sum_of_paths"].check(REGISTRY["tied-float32"].model, "tied-float32", "model",
-                                     case64)
+    PROPERTIES["sum_of_paths"].check(load("tied-float32", "model"), case64)
 
     tied = REGISTRY["tied"].model
     assert tied is not None
@@ -142,20 +158,22 @@ def test_a_float32_implementation_is_judged_at_float32_and_float64_one_at_float6
         out["dE"] = out["dE"] * (1 + 1e-6)  # float32-sized error, claimed as float64
         return out
 
-    with pytest.raises(PropertyFailure):
-        PROPERTIES["sum_of_paths"].check(rounded, "rounded", "model", case64)
+    with pytest.raises(PropertyFailure) as info:
+        PROPERTIES["sum_of_paths"].check(Target("rounded", "model", rounded), case64)
+    # within the float32 bound, beyond the float64 one it claims: named for what it is
+    assert info.value.label == "precision_limited", info.value
 
 
 def test_dropped_input_path_is_caught_on_every_drawn_float32_batch_with_power() -> None:
     prop = PROPERTIES["sum_of_paths"]
-    fn = REGISTRY["output-path-only"].model
+    target = load("output-path-only", "model")
     seen = Counter[str]()
 
     @settings(suppress_health_check=list(HealthCheck))
     @given(cases(dtypes=("float32",)))
     def check(case: Case) -> None:
         try:
-            prop.check(fn, "output-path-only", "model", case)
+            prop.check(target, case)
         except PropertyFailure as exc:
             seen[exc.label] += 1
             return
@@ -165,6 +183,47 @@ def test_dropped_input_path_is_caught_on_every_drawn_float32_batch_with_power() 
 
     check()
     assert set(seen) == {"input_path_missing"}
+
+
+# --- mutant fingerprints ------------------------------------------------------------------------
+
+# One batch on which every fingerprint has something to show: token 0 present (padding mask),
+# tokens 0 and 3 repeated (duplicates), rows absent (output path alone), unsorted tokens (an
+# in-place sort), s_in != 1 and res not in {0, 1} (factors and the block's input and output
+# differ), a bias and N > 1 (db x N).
+FINGERPRINT_CASE = Case("fingerprint", V=12, d=3, N=8, seed=11, res=0.6, s_in=1.7,
+                        tokens=(0, 5, 3, 0, 7, 3, 1, 0), targets=(4, 0, 9, 3, 11, 2, 6, 5))
+FINGERPRINT_ROWS = [(name, kind) for name, sig in SIGNATURES.items() for kind in sig.kinds]
+
+
+@pytest.mark.parametrize("name,kind", FINGERPRINT_ROWS,
+                         ids=[f"{n}-{k}" for n, k in FINGERPRINT_ROWS])
+def test_a_fingerprint_holds_for_its_mutant_and_fails_for_a_correct_implementation(
+        name: str, kind: str) -> None:
+    # The Hypothesis run of each fingerprint (tests/test_mutants.py) only shows it holds; this
+    # shows it can fail: the correct implementation of the same kind does not have it.
+    sig = SIGNATURES[name]
+    mutant = load(name, kind)
+    sig.check(mutant, FINGERPRINT_CASE)
+    # again: a stateful fingerprint resets what it needs, whatever the last run left behind
+    sig.check(mutant, FINGERPRINT_CASE)
+    with pytest.raises(SignatureMismatch) as info:
+        sig.check(load("tied", kind), FINGERPRINT_CASE)
+    assert info.value.mutant == name
+    assert "tokens=[0, 5, 3, 0, 7, 3, 1, 0]" in str(info.value)  # the batch, as it replays
+
+
+def test_the_stateful_fingerprints_catch_the_bug_only_from_the_second_call() -> None:
+    # Each stateful mutant's first call is right, so a fingerprint of its first call alone
+    # would pass a correct implementation too: the second call is what tells them apart.
+    for name, problem in (("grad-not-zeroed", "first call's dE plus the reference"),
+                          ("copy-tie", "not the untied gradient")):
+        with pytest.raises(SignatureMismatch, match=problem):
+            SIGNATURES[name].check(load("tied", "model"), FINGERPRINT_CASE)
+    # a mutant that is wrong from its first call is not a stateful one
+    with pytest.raises(SignatureMismatch, match="first call after a reset is wrong"):
+        SIGNATURES["grad-not-zeroed"].check(load("output-path-only", "model"),
+                                            FINGERPRINT_CASE)
 
 
 # --- strategies ---------------------------------------------------------------------------------
@@ -273,14 +332,12 @@ def test_a_failure_shrinks_to_a_small_readable_batch_under_the_plugins_settings(
     from hypothesis import given, settings
     from tyingspec.properties import PROPERTIES, PropertyFailure
 
-    from tyingspec._implementations import REGISTRY
     from tyingspec._suite import profile_settings
 
     prop = PROPERTIES["sum_of_paths"]
-    fn = REGISTRY["output-path-only"].model
+    target = load("output-path-only", "model")
     chosen = settings(profile_settings("dev"), database=None)  # no replay of a saved minimum
-    test = chosen(given(case=prop.strategy())(
-        lambda case: prop.check(fn, "output-path-only", "model", case)))
+    test = chosen(given(case=prop.strategy())(lambda case: prop.check(target, case)))
     with pytest.raises(PropertyFailure) as info:
         test()
     case = info.value.case

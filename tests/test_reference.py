@@ -112,7 +112,8 @@ def test_untied_paths_are_the_gradients_of_separate_matrices() -> None:
             args = (up, b.E) if path == "in" else (b.E, up)
             args_d = (down, b.E) if path == "in" else (b.E, down)
             num[i] = (loss_only(*args, b.W, b.b, b.tokens, b.targets, b.res, b.s_in)
-                      - loss_only(*args_d, b.W, b.b, b.tokens, b.targets, b.res, b.s_in)) / (2 * step)
+                      - loss_only(*args_d, b.W, b.b, b.tokens, b.targets, b.res, b.s_in)
+                      ) / (2 * step)
         _assert_all_close(f"dE_{path}", which, num, 1e-6)
     _assert_all_close("sympy dE_in", sym.dE_in, ref.dE_in, 1e-12)
 

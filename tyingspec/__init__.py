@@ -10,16 +10,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._adapters import AdapterError, call_kernel, call_model, resolve
+    from ._adapters import AdapterError, Returned, resolve
     from ._cases import Batch, Case, build, standard_cases
     from ._check import CaseResult, CheckReport, check_target
-    from ._diagnosis import LABELS, ArrayCheck, Diagnosis, Power, compare, diagnose
+    from ._diagnosis import LABELS, ArrayCheck, Diagnosis, Label, Power, compare, diagnose
+    from ._engine import Observation, Target, call, judge, load, observe, reference
     from ._finite import central_differences
     from ._implementations import REGISTRY, Implementation, register
+    from ._kinds import KINDS, Kind, KindSpec
     from ._probe import Paths, closed_form_paths, loss_only
     from ._strategies import cases
     from ._symbolic import symbolic_paths
-    from ._tolerance import Tolerance, tolerance_for
+    from ._tolerance import Precision, Tolerance, tolerance_for
 
 _WHERE: dict[str, str] = {
     "AdapterError": "._adapters",
@@ -37,8 +39,19 @@ _WHERE: dict[str, str] = {
     "Tolerance": "._tolerance",
     "build": "._cases",
     "cases": "._strategies",
-    "call_kernel": "._adapters",
-    "call_model": "._adapters",
+    "Returned": "._adapters",
+    "Observation": "._engine",
+    "Target": "._engine",
+    "call": "._engine",
+    "judge": "._engine",
+    "load": "._engine",
+    "observe": "._engine",
+    "reference": "._engine",
+    "KINDS": "._kinds",
+    "Kind": "._kinds",
+    "KindSpec": "._kinds",
+    "Label": "._diagnosis",
+    "Precision": "._tolerance",
     "central_differences": "._finite",
     "check_target": "._check",
     "closed_form_paths": "._probe",
@@ -53,6 +66,7 @@ _WHERE: dict[str, str] = {
 }
 
 __all__ = [
+    "KINDS",
     "LABELS",
     "REGISTRY",
     "AdapterError",
@@ -63,19 +77,29 @@ __all__ = [
     "CheckReport",
     "Diagnosis",
     "Implementation",
+    "Kind",
+    "KindSpec",
+    "Label",
+    "Observation",
     "Paths",
     "Power",
+    "Precision",
+    "Returned",
+    "Target",
     "Tolerance",
     "build",
+    "call",
     "cases",
-    "call_kernel",
-    "call_model",
     "central_differences",
     "check_target",
     "closed_form_paths",
     "compare",
     "diagnose",
+    "judge",
+    "load",
     "loss_only",
+    "observe",
+    "reference",
     "register",
     "resolve",
     "standard_cases",

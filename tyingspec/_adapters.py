@@ -16,6 +16,7 @@ what came back.  Adapters get copies of their inputs; a mutation is reported, no
 from __future__ import annotations
 
 import importlib
+import inspect
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ._implementations import REGISTRY
-from ._probe import Array, IntArray
+from ._tolerance import Precision, least_precise
 
 KINDS = ("model", "kernel")
 
@@ -50,10 +50,13 @@ def resolve(spec: str, kind: str) -> Callable[..., Any]:
     if kind not in KINDS:
         raise AdapterError(spec, f"unknown kind {kind!r}", expected=" or ".join(KINDS), got=kind)
     if ":" not in spec:
-        impl = REGISTRY.get(spec)
+        from ._registry import builtins  # only a built-in name loads the zoo
+
+        known = builtins()
+        impl = known.get(spec)
         if impl is None:
             raise AdapterError(spec, "cannot be resolved",
-                               expected="a built-in name (" + ", ".join(sorted(REGISTRY))
+                               expected="a built-in name (" + ", ".join(sorted(known))
                                + ") or module:attr", got=repr(spec))
         fn = impl.adapter(kind)
         if fn is None:
@@ -78,7 +81,12 @@ def resolve(spec: str, kind: str) -> Callable[..., Any]:
 def to_numpy(value: Any) -> np.ndarray:
     """Torch tensors, jax arrays, lists and numpy arrays as a numpy array."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
-        value = value.detach().cpu().numpy()
+        t = value.detach().cpu()
+        if str(getattr(t, "dtype", "")) == "torch.bfloat16":  # numpy has no bfloat16 of its own
+            from ._tolerance import numpy_dtype
+
+            return np.asarray(t.float().numpy()).astype(numpy_dtype("bfloat16"))
+        value = t.numpy()
     return np.asarray(value)
 
 
@@ -100,7 +108,7 @@ def validate_array(
                            got=f"{type(value).__name__} ({type(exc).__name__}: {exc})") from exc
     if a.dtype.kind in "iub" and shape is None:
         a = a.astype(np.float64)  # a Python/numpy int loss is fine; only arrays must be float
-    if a.dtype.kind != "f":
+    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
         raise AdapterError(adapter, "wrong dtype kind", key=key,
                            expected=f"floating dtype, shape {shape}", got=_describe(a))
     if (a.size != 1) if shape is None else (a.shape != shape):
@@ -117,12 +125,15 @@ def validate_array(
 
 
 @dataclass(frozen=True)
-class ModelOutput:
-    loss: float
+class Returned:
+    """What an adapter returned, validated: dE always; loss, dW, db for kinds that return them."""
+
     dE: np.ndarray
-    dW: np.ndarray
-    db: np.ndarray | None
     mutated: tuple[str, ...]
+    precision: Precision  # the least precise float among the returned arrays
+    loss: float | None = None
+    dW: np.ndarray | None = None
+    db: np.ndarray | None = None
 
 
 def _guarded_call(adapter: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -135,23 +146,27 @@ def _guarded_call(adapter: str, fn: Callable[..., Any], *args: Any, **kwargs: An
                            got=f"{type(exc).__name__}: {exc}{where}") from exc
 
 
-def _mutated(named: dict[str, tuple[Any, Any]]) -> tuple[str, ...]:
+def _copies(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
+            for k, v in inputs.items()}
+
+
+def _mutated(inputs: Mapping[str, Any], copies: Mapping[str, Any]) -> tuple[str, ...]:
     # Bitwise comparison on purpose: any write into an input is a mutation, even of equal value.
-    return tuple(k for k, (orig, seen) in named.items()
-                 if orig is not None and not np.array_equal(orig, seen, equal_nan=True))
+    return tuple(k for k, orig in inputs.items() if isinstance(orig, np.ndarray)
+                 and not np.array_equal(orig, copies[k], equal_nan=True))
 
 
-def call_model(
-    adapter: str, fn: Callable[..., Any], E: Array, W: Array, b: Array | None,
-    tokens: IntArray, targets: IntArray, *, res: float, s_in: float,
-) -> ModelOutput:
-    """Call a model adapter on copies of the inputs and validate every returned value."""
-    copies = {k: (None if v is None else np.array(v, copy=True))
-              for k, v in dict(E=E, W=W, b=b, tokens=tokens, targets=targets).items()}
-    out = _guarded_call(adapter, fn, copies["E"], copies["W"], copies["b"], copies["tokens"],
-                        copies["targets"], res=res, s_in=s_in)
-    mutated = _mutated({k: (v, copies[k]) for k, v in
-                        dict(E=E, W=W, b=b, tokens=tokens, targets=targets).items()})
+def _returned_dtype(value: Any) -> Any:
+    return getattr(value, "dtype", None) if not isinstance(value, float) else None
+
+
+def call_model(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) -> Returned:
+    """Call a model adapter on copies of ``inputs`` and validate every returned value."""
+    c = _copies(inputs)
+    out = _guarded_call(adapter, fn, c["E"], c["W"], c["b"], c["tokens"], c["targets"],
+                        res=c["res"], s_in=c["s_in"])
+    mutated = _mutated(inputs, c)
     if not isinstance(out, Mapping):
         raise AdapterError(adapter, "returned a non-mapping",
                            expected="a mapping with keys loss, dE, dW, db",
@@ -160,6 +175,7 @@ def call_model(
         if key not in out:
             raise AdapterError(adapter, "missing key", key=key,
                                expected="keys loss, dE, dW, db", got=f"keys {sorted(out)}")
+    E, b = inputs["E"], inputs["b"]
     V, d = E.shape
     loss = validate_array(adapter, "loss", out["loss"], None)
     dE = validate_array(adapter, "dE", out["dE"], (V, d))
@@ -171,17 +187,29 @@ def call_model(
         db = None
     else:
         db = validate_array(adapter, "db", out["db"], (V,))
-    return ModelOutput(float(loss.reshape(())), dE, dW, db, mutated)
+    precision = least_precise(dE.dtype, dW.dtype, None if db is None else db.dtype,
+                              _returned_dtype(out["loss"]))
+    return Returned(dE, mutated, precision, float(loss.reshape(())), dW, db)
 
 
-def call_kernel(
-    adapter: str, fn: Callable[..., Any], tokens: IntArray, dx: Array, h: Array, g: Array,
-    vocab_size: int,
-) -> tuple[np.ndarray, tuple[str, ...]]:
-    """Call a kernel adapter on copies of the inputs; returns validated dE and mutated names."""
-    named = dict(tokens=tokens, dx=dx, h=h, g=g)
-    copies = {k: np.array(v, copy=True) for k, v in named.items()}
-    out = _guarded_call(adapter, fn, copies["tokens"], copies["dx"], copies["h"], copies["g"],
-                        vocab_size)
-    dE = validate_array(adapter, "dE", out, (vocab_size, dx.shape[1]))
-    return dE, _mutated({k: (v, copies[k]) for k, v in named.items()})
+def call_kernel(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) -> Returned:
+    """Call a kernel adapter on copies of ``inputs``; returns the validated dE."""
+    c = _copies(inputs)
+    out = _guarded_call(adapter, fn, c["tokens"], c["dx"], c["h"], c["g"], c["vocab_size"])
+    dE = validate_array(adapter, "dE", out, (int(inputs["vocab_size"]), inputs["dx"].shape[1]))
+    return Returned(dE, _mutated(inputs, c), least_precise(dE.dtype))
+
+
+def signature_problem(fn: Callable[..., Any], positional: tuple[str, ...],
+                      keywords: tuple[str, ...]) -> str | None:
+    """Why ``fn`` cannot be called as ``fn(*positional, **keywords)``; None when it can (or
+    when its signature cannot be read, e.g. a C function)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*positional, **dict.fromkeys(keywords))
+    except TypeError as exc:
+        return f"{exc} (its signature is {fn.__name__ if hasattr(fn, '__name__') else 'f'}{sig})"
+    return None

@@ -19,8 +19,10 @@ from ._probe import (
     Paths,
     closed_form_paths,
     forward_parts,
+    kernel_terms,
     scatter_rows,
 )
+from ._tolerance import numpy_dtype
 
 #: How the tokens of a batch are composed.  ``random``: uniform; ``distinct``: no repeats;
 #: ``repeats``: ``distinct`` tokens, each present, some repeated; ``one-token``: one token N times;
@@ -115,7 +117,7 @@ def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
 def build(case: Case) -> Batch:
     """Every array of a case, from its seed (weights at a scale where both paths matter)."""
     rng = np.random.default_rng(case.seed)
-    dt = np.dtype(case.dtype)
+    dt = numpy_dtype(case.dtype)  # type: ignore[arg-type]
     E = (rng.normal(size=(case.V, case.d)) * case.e_scale).astype(dt)
     W = (rng.normal(size=(case.d, case.d)) / np.sqrt(case.d)).astype(dt)
     b = rng.normal(size=case.V).astype(dt) if case.bias else None
@@ -151,6 +153,23 @@ def standard_cases(seed: int) -> list[Case]:
     return [Case(name=name, seed=case_seed(seed, name), **kw) for name, kw in specs]  # type: ignore[arg-type]
 
 
+#: Standard cases whose point is their shape: ``--shape`` leaves them out.
+SHAPE_CASES = ("n-greater-than-v", "v-equals-1", "v-equals-d")
+
+
+def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], list[str]]:
+    """The cases at a user's shape, each keeping its composition; the names left out (those
+    defined by their shape, and those whose composition the shape cannot hold)."""
+    kept: list[Case] = []
+    left_out: list[str] = []
+    for c in cases:
+        if c.name in SHAPE_CASES or (c.composition == "distinct" and N > V):
+            left_out.append(c.name)
+            continue
+        kept.append(replace(c, V=V, d=d, N=N, tokens=None, targets=None))
+    return kept, left_out
+
+
 def closed_form(batch: Batch) -> Paths:
     """The float64 closed-form reference paths of a batch (whatever dtype its arrays are)."""
     return closed_form_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
@@ -175,13 +194,36 @@ def sgd_step(batch: Batch, dE: Array, step: float = SGD_STEP) -> tuple[Batch, fl
     return replace(batch, E=E1), lr
 
 
+#: Shapes up to this many entries of E use the sympy reference.  The derivation compiles in
+#: under 0.35 s for each such (V, d, bias) (about 4 s for all of them, once per process); the
+#: full symbolic range (V*d <= 12) costs ~36 s per process, too much for a property run.
+SYMBOLIC_ENTRIES = 6
+
+
+def model_reference(batch: Batch) -> Paths:
+    """The reference a model is judged against: sympy-derived paths on small shapes, the closed
+    form beyond them (always float64)."""
+    if batch.E.size > SYMBOLIC_ENTRIES:
+        return closed_form(batch)
+    from ._symbolic import symbolic_paths
+
+    return symbolic_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
+                          None if batch.b is None else batch.b.astype(np.float64),
+                          batch.tokens, batch.targets, batch.res, batch.s_in)
+
+
+def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int) -> Paths:
+    """The float64 reference of a kernel on the inputs it was handed."""
+    rows = np.asarray(dx, dtype=np.float64)
+    return Paths(loss=0.0, dE_in=scatter_rows(tokens, rows, V),
+                 dE_out=np.asarray(g, dtype=np.float64).T @ np.asarray(h, dtype=np.float64),
+                 dW=np.zeros((0, 0)), db=None, per_position=rows, tokens=tokens,
+                 terms=kernel_terms(tokens, dx, h, g, V))
+
+
 def kernel_inputs(batch: Batch) -> tuple[Parts, Paths]:
     """Inputs of a kernel adapter taken from a real forward pass, and the reference paths."""
     p = forward_parts(batch.E, batch.E, batch.W, batch.b, batch.tokens, batch.targets,
                       batch.res, batch.s_in)
-    V = batch.E.shape[0]
-    rows = p.input_rows
-    paths = Paths(loss=p.loss, dE_in=scatter_rows(batch.tokens, rows.astype(np.float64), V),
-                  dE_out=p.g.astype(np.float64).T @ p.h.astype(np.float64), dW=p.dW, db=p.db,
-                  per_position=rows, tokens=batch.tokens)
+    paths = kernel_paths(batch.tokens, p.input_rows, p.h, p.g, batch.E.shape[0])
     return p, paths

@@ -1,21 +1,31 @@
-"""Run a target over seeded cases: call, validate, diagnose, shrink a failure, build replay lines."""
+"""``tyingspec check``: run a target over seeded cases through the engine, shrink a failure,
+build replay lines."""
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ._adapters import AdapterError, call_kernel, call_model, resolve
-from ._cases import Batch, Case, build, closed_form, kernel_inputs, sgd_step
-from ._diagnosis import ArrayCheck, Diagnosis, compare, diagnose
-from ._tolerance import tolerance_for
+from ._adapters import AdapterError
+from ._cases import Case
+from ._diagnosis import Diagnosis
+from ._engine import (
+    FIRST_CALL,
+    Observation,
+    PrecisionChoice,
+    Stage,
+    Status,
+    Target,
+    load,
+    observe,
+)
 
-STATUSES = ("correct", "no_power", "wrong", "adapter_error")
-FIRST_CALL, AFTER_STEP = "first call", "after one SGD step"
+#: Seconds a failing case may spend shrinking its batch (each try is one more check).
+SHRINK_BUDGET = 5.0
 
 
 @dataclass
@@ -23,13 +33,15 @@ class CaseResult:
     """Outcome of one case: a diagnosis, or the adapter error that prevented one."""
 
     case: Case
-    status: str
+    status: Status
     diagnosis: Diagnosis | None = None
     error: str | None = None
     mutated: tuple[str, ...] = ()
     shrunk: Case | None = None
     replay: str = ""
-    stage: str = FIRST_CALL  # which call the diagnosis is of (models are called twice)
+    stage: Stage = FIRST_CALL  # which call the diagnosis is of (models are called twice)
+    precision: str | None = None  # what it was judged at
+    shrink_note: str = ""  # why shrinking stopped early, if it did
 
     def as_dict(self) -> dict[str, Any]:
         c = self.case
@@ -37,7 +49,8 @@ class CaseResult:
             "name": c.name, "seed": c.seed, "V": c.V, "d": c.d, "N": c.N, "res": c.res,
             "s_in": c.s_in, "bias": c.bias, "dtype": c.dtype, "status": self.status,
             "error": self.error, "mutated_inputs": list(self.mutated), "replay": self.replay,
-            "stage": self.stage,
+            "stage": self.stage, "precision": self.precision,
+            "margin": None if self.diagnosis is None else self.diagnosis.margin,
         }
         if self.diagnosis is not None:
             dd = self.diagnosis.as_dict()
@@ -51,89 +64,63 @@ class CaseResult:
         return d
 
 
-def _model_call(spec: str, fn: Callable[..., Any], batch: Batch,
-                dtype: str) -> tuple[Diagnosis, tuple[str, ...], np.ndarray]:
-    paths = closed_form(batch)
-    out = call_model(spec, fn, batch.E, batch.W, batch.b, batch.tokens, batch.targets,
-                     res=batch.res, s_in=batch.s_in)
-    others: list[ArrayCheck] = [
-        compare("loss", out.loss, paths.loss, tolerance_for(dtype, paths.loss)),
-        compare("dW", out.dW, paths.dW, tolerance_for(dtype, paths.dW)),
-    ]
-    if paths.db is not None and out.db is not None:
-        others.append(compare("db", out.db, paths.db, tolerance_for(dtype, paths.db)))
-    diag = diagnose(out.dE, paths, dtype=dtype, others=others, mutated=out.mutated)
-    return diag, out.mutated, out.dE
-
-
-def _evaluate(spec: str, fn: Callable[..., Any], kind: str, batch: Batch,
-              dtype: str) -> tuple[Diagnosis, tuple[str, ...], str]:
-    """Diagnose one case; a model is called twice: at E, then at E stepped by SGD with the dE it
-    returned, because a tie that is a copy made at initialisation, or a gradient buffer that is
-    never zeroed, is right on the first call and wrong from the second on."""
-    if kind == "kernel":
-        parts, paths = kernel_inputs(batch)
-        dE, mutated = call_kernel(spec, fn, batch.tokens, parts.input_rows, parts.h, parts.g,
-                                  batch.E.shape[0])
-        return diagnose(dE, paths, dtype=dtype, mutated=mutated), mutated, FIRST_CALL
-    diag, mutated, dE = _model_call(spec, fn, batch, dtype)
-    stepped = None if diag.wrong or mutated else sgd_step(batch, dE)
-    if stepped is None:
-        return diag, mutated, FIRST_CALL
-    diag1, mutated1, _ = _model_call(spec, fn, stepped[0], dtype)
-    if diag1.wrong or mutated1:
-        return diag1, mutated1, AFTER_STEP
-    return diag, mutated, FIRST_CALL
-
-
-def _status(diag: Diagnosis, mutated: tuple[str, ...]) -> str:
-    if diag.wrong or mutated:
-        return "wrong"
-    return "no_power" if diag.label == "no_power" else "correct"
-
-
-def shrink(spec: str, fn: Callable[..., Any], kind: str, case: Case, label: str) -> Case:
-    """Greedily delete positions while the same diagnosis label persists; keeps E, W, b."""
-    batch = build(case)
-    tokens, targets = batch.tokens, batch.targets
+def shrink(target: Target, case: Case, label: str, budget: float = SHRINK_BUDGET,
+           ) -> tuple[Case, str]:
+    """Delete positions while the same diagnosis label persists (keeps E, W, b), for at most
+    ``budget`` seconds; returns the smallest case found and a note when time ran out."""
+    deadline = time.monotonic() + budget
+    tokens = np.asarray(case.tokens, dtype=np.int64)
+    targets = np.asarray(case.targets, dtype=np.int64)
     changed = True
     while changed and tokens.shape[0] > 1:
         changed = False
         for i in range(tokens.shape[0]):
+            if time.monotonic() > deadline:
+                return (case.with_batch(tokens, targets),
+                        f"shrinking stopped after {budget:g} s (--shrink-budget) at "
+                        f"N={tokens.shape[0]}")
             t2, y2 = np.delete(tokens, i), np.delete(targets, i)
-            trial = case.with_batch(t2, y2)
             try:
-                diag, _, _ = _evaluate(spec, fn, kind, build(trial), case.dtype)
+                obs = observe(target, case.with_batch(t2, y2))
             except AdapterError:
                 continue
-            if diag.label == label:
+            if obs.label == label:
                 tokens, targets, changed = t2, y2, True
                 break
-    return case.with_batch(tokens, targets)
+    return case.with_batch(tokens, targets), ""
 
 
-def replay_command(spec: str, kind: str, base_seed: int, case: Case) -> str:
-    parts = ["tyingspec", "check", spec, "--kind", kind, "--seed", str(base_seed),
-             "--case", case.name]
+def replay_command(target: Target, base_seed: int, case: Case) -> str:
+    parts = ["tyingspec", "check", target.spec, "--kind", target.kind, "--seed",
+             str(base_seed), "--case", case.name]
+    if target.precision != "auto":
+        parts += ["--precision", target.precision]
     if case.tokens is not None and case.targets is not None:
         parts += ["--tokens", ",".join(map(str, case.tokens)),
                   "--targets", ",".join(map(str, case.targets))]
     return shlex.join(parts)
 
 
-def run_case(spec: str, fn: Callable[..., Any], kind: str, case: Case, base_seed: int,
-             *, do_shrink: bool = True) -> CaseResult:
+def result_of(target: Target, obs: Observation, base_seed: int) -> CaseResult:
+    """A case result from an observation (no shrinking)."""
+    return CaseResult(obs.case, obs.status, diagnosis=obs.diagnosis,
+                      mutated=obs.returned.mutated, stage=obs.stage,
+                      replay=replay_command(target, base_seed, obs.case),
+                      precision=obs.precision)
+
+
+def run_case(target: Target, case: Case, base_seed: int, *, do_shrink: bool = True,
+             shrink_budget: float = SHRINK_BUDGET) -> CaseResult:
+    """Observe one case through the engine; shrink a wrong one to its smallest batch."""
     try:
-        diag, mutated, stage = _evaluate(spec, fn, kind, build(case), case.dtype)
+        obs = observe(target, case)
     except AdapterError as exc:
         return CaseResult(case, "adapter_error", error=str(exc),
-                          replay=replay_command(spec, kind, base_seed, case))
-    status = _status(diag, mutated)
-    result = CaseResult(case, status, diagnosis=diag, mutated=mutated, stage=stage,
-                        replay=replay_command(spec, kind, base_seed, case))
-    if status == "wrong" and diag.wrong and do_shrink:
-        result.shrunk = shrink(spec, fn, kind, case, diag.label)
-        result.replay = replay_command(spec, kind, base_seed, result.shrunk)
+                          replay=replay_command(target, base_seed, case))
+    result = result_of(target, obs, base_seed)
+    if obs.status == "wrong" and do_shrink and obs.case.N > 1:
+        result.shrunk, result.shrink_note = shrink(target, obs.case, obs.label, shrink_budget)
+        result.replay = replay_command(target, base_seed, result.shrunk)
     return result
 
 
@@ -146,6 +133,8 @@ class CheckReport:
     seed: int
     results: list[CaseResult] = field(default_factory=list)
     load_error: str | None = None
+    precision: str = "auto"
+    notes: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -170,14 +159,20 @@ class CheckReport:
         return max(set(labels), key=labels.count)
 
 
-def check_target(spec: str, kind: str, seed: int, cases: list[Case]) -> CheckReport:
-    """Resolve ``spec`` and run it on every case; adapter errors are recorded, the run goes on."""
-    report = CheckReport(spec, kind, seed)
+def check_target(spec: str, kind: str, seed: int, cases: list[Case], *,
+                 precision: PrecisionChoice = "auto", shrink_budget: float = SHRINK_BUDGET,
+                 on_result: Any = None) -> CheckReport:
+    """Resolve ``spec`` and run it on every case; adapter errors are recorded, the run goes on.
+    ``on_result(result)`` is called as each case finishes (progress lines)."""
+    report = CheckReport(spec, kind, seed, precision=precision)
     try:
-        fn = resolve(spec, kind)
+        target = load(spec, kind, precision)
     except AdapterError as exc:
         report.load_error = str(exc)
         return report
     for case in cases:
-        report.results.append(run_case(spec, fn, kind, case, seed))
+        result = run_case(target, case, seed, shrink_budget=shrink_budget)
+        report.results.append(result)
+        if on_result is not None:
+            on_result(result)
     return report

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ._options import int_list, seed
+from ._options import int_list, seed, shape, shrink_budget
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
 
@@ -23,7 +23,18 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                     "batches and diagnose each. Exit 0 all correct, 1 a gradient is wrong, "
                     "2 usage or adapter error.")
     p.add_argument("target", nargs="?", help="built-in name or module:attr")
-    p.add_argument("--kind", choices=("model", "kernel"), default="model")
+    p.add_argument("--kind", choices=("model", "kernel"), default="model",
+                   help="adapter contract (default model)")
+    p.add_argument("--precision", choices=("auto", "float64", "float32", "bfloat16", "float16"),
+                   default="auto",
+                   help="precision to build the cases in and judge at; auto (default): build "
+                        "as each case says and judge at the least precise float returned")
+    p.add_argument("--shape", type=shape, metavar="V,d,N",
+                   help="run every case at this vocabulary, width and batch length, keeping "
+                        "its composition (the cases defined by their shape are left out)")
+    p.add_argument("--shrink-budget", type=shrink_budget, default=5.0, metavar="SECONDS",
+                   help="seconds a failing case may spend shrinking its batch (default 5; "
+                        "0 turns shrinking off)")
     p.add_argument("--seed", type=seed, default=0, help="base seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="write a tyingspec.check/1 JSON report")
     p.add_argument("--case", metavar="NAME", help="run only this case (replay)")
@@ -49,7 +60,7 @@ def _add_mutants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                        description="Run the property suite against the mutant zoo and the "
                                    "correct styles; exit 0 when every mutant is killed and "
                                    "every correct style passes.")
-    from ._power import configure_parser
+    from ._kill_matrix import configure_parser
 
     configure_parser(p)
 
@@ -66,13 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _list() -> int:
     from ._cases import standard_cases
-    from ._implementations import REGISTRY
+    from ._kinds import KINDS
+    from ._registry import builtins
 
-    print("built-in targets:")
-    for impl in REGISTRY.values():
-        kinds = "/".join(k for k in ("model", "kernel") if impl.adapter(k) is not None)
-        breaks = f"breaks {impl.breaks}" if impl.breaks else "correct"
-        print(f"  {impl.name:<22} [{kinds}] {breaks}: {impl.description}")
+    print("built-in targets (name [kinds] what it breaks -> the label a check reaches):")
+    for impl in builtins().values():
+        kinds = "/".join(k for k in KINDS if impl.adapter(k) is not None)
+        breaks = f"breaks {impl.breaks} -> {impl.expected}" if impl.breaks else "correct"
+        print(f"  {impl.name:<24} [{kinds}] {breaks}: {impl.description}")
     print("cases run by `tyingspec check TARGET`:")
     for c in standard_cases(0):
         print(f"  {c.name:<20} {c.describe()}")
@@ -103,6 +115,14 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     cases = standard_cases(args.seed)
+    notes: list[str] = []
+    if args.shape is not None:
+        from ._cases import at_shape
+
+        cases, left_out = at_shape(cases, *args.shape)
+        if left_out:
+            notes.append(f"--shape {','.join(map(str, args.shape))}: left out "
+                         f"{', '.join(left_out)} (defined by their shape)")
     if args.case:
         chosen = [c for c in cases if c.name == args.case]
         if not chosen:
@@ -125,7 +145,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                               np.asarray(args.targets))]
     if args.update_baseline and not args.baseline:
         parser.error("--update-baseline needs --baseline FILE")
-    report = check_target(args.target, args.kind, args.seed, cases)
+    report = check_target(args.target, args.kind, args.seed, cases, precision=args.precision,
+                          shrink_budget=args.shrink_budget)
+    report.notes = notes
     print(render(report))
     code = report.exit_code
     if args.baseline:
@@ -145,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check":
         return _check(args, parser)
     if args.command == "mutants":
-        from ._power import run as run_mutants
+        from ._kill_matrix import run as run_mutants
 
         return run_mutants(args)
     if args.command == "reproduce":

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from ._cases import Case, build, case_seed
 from ._check import CaseResult, run_case
-from ._implementations import REGISTRY
-from ._report import exact_cell, rows_text
+from ._engine import load
+from ._registry import builtins
+from ._render import exact_cell, rows_text
 
 #: (table label, built-in name) in the order of the write-up's table.
 TABLE_ROWS = (("both paths, +=", "tied"), ("output path only", "output-path-only"),
@@ -28,15 +29,15 @@ class Demo:
 
     @property
     def as_expected(self) -> bool:
-        return all(r.diagnosis is not None and r.diagnosis.label == REGISTRY[n].expected
+        return all(r.diagnosis is not None and r.diagnosis.label == builtins()[n].expected
                    for n, r in self.results.items())
 
 
 def run_demo(seed: int) -> Demo:
     case = demo_case(seed)
     names = [n for _, n in TABLE_ROWS] + list(EXTRA)
-    return Demo(case, {n: run_case(n, REGISTRY[n].model, "model", case, seed,  # type: ignore[arg-type]
-                                   do_shrink=False) for n in names})
+    return Demo(case, {n: run_case(load(n, "model"), case, seed, do_shrink=False)
+                       for n in names})
 
 
 def render_demo(demo: Demo) -> str:
@@ -56,7 +57,7 @@ def render_demo(demo: Demo) -> str:
         lines.append(f"| {label} | {d.rows_wrong} | {exact_cell(d)} |")
     lines += ["", "diagnoses:"]
     for name in [n for _, n in TABLE_ROWS] + list(EXTRA):
-        impl, d = REGISTRY[name], demo.results[name].diagnosis
+        impl, d = builtins()[name], demo.results[name].diagnosis
         assert d is not None
         where = f"; wrong rows {rows_text(d.wrong_rows)}" if d.wrong_rows else ""
         lines.append(f"  {name} ({impl.description}):")

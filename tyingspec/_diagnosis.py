@@ -9,17 +9,27 @@ asks whether its own example *could* have told those apart from a correct gradie
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from ._probe import Array, Paths
-from ._tolerance import Tolerance, tolerance_for
+from ._tolerance import Precision, Terms, Tolerance, precision_of, row_tolerance
+
+Label = Literal["correct", "no_power", "forward_mismatch", "precision_limited",
+                "input_path_missing", "output_path_missing", "output_path_overwritten",
+                "duplicates_not_accumulated", "path_scaled", "tie_is_a_copy",
+                "gradient_not_zeroed", "input_path_wrong", "output_path_wrong",
+                "other_gradient_wrong", "inputs_mutated", "unknown"]
 
 #: The named verdicts, in the order they are tried, with the sentence a person reads.
-LABELS: dict[str, str] = {
+LABELS: dict[Label, str] = {
     "correct": "correct: both paths present and summed",
     "no_power": "no power: this example could not tell a dropped path from a correct gradient",
+    "forward_mismatch": "forward mismatch: your loss differs from the probe model's; the "
+                        "gradient cannot be judged against this reference",
+    "precision_limited": "precision limited: every row is within the rounding bound of a lower "
+                         "precision but beyond the bound of the precision it was judged at",
     "input_path_missing": "input path missing: rows of tokens in the batch lack the scatter-add "
                           "of dx; every other row is exactly right",
     "output_path_missing": "output path missing: every row lacks g.T @ h",
@@ -28,6 +38,10 @@ LABELS: dict[str, str] = {
     "duplicates_not_accumulated": "duplicates not accumulated: rows of repeated tokens got fewer "
                                   "than all of their occurrences",
     "path_scaled": "path scaled: a path enters with a stray factor",
+    "tie_is_a_copy": "the tie is a copy: right at E, but after one SGD step the gradient is "
+                     "that of two matrices, each stepped with its own path's gradient",
+    "gradient_not_zeroed": "gradient not zeroed: the second call returned the previous call's "
+                           "gradient plus its own",
     "input_path_wrong": "input path wrong: rows of tokens absent from the batch are exactly "
                         "right, rows of tokens in the batch are wrong",
     "output_path_wrong": "output path wrong: rows of tokens absent from the batch, which carry "
@@ -93,7 +107,7 @@ class Power:
 class Diagnosis:
     """What is wrong with an implementation's dE on one batch, and where."""
 
-    label: str
+    label: Label
     detail: str
     rows_total: int
     rows_wrong: int
@@ -107,6 +121,11 @@ class Diagnosis:
     power: Power
     scales: tuple[float, float] | None = None  # fitted (input, output) factors
     others: list[ArrayCheck] = field(default_factory=list)
+    margin: float = 0.0  # worst row's error / its bound (<= 1: within)
+
+    @property
+    def precision(self) -> str:
+        return self.tolerance.dtype
 
     @property
     def rows_exact(self) -> int:
@@ -136,7 +155,8 @@ class Diagnosis:
             "row_causes": {k: list(v) for k, v in self.row_causes.items()},
             "max_abs_error": self.max_abs_error,
             "max_rel_error": self.max_rel_error,
-            "atol": self.tolerance.atol,
+            "precision": self.precision,
+            "margin": self.margin,
             "rtol": self.tolerance.rtol,
             "power": self.power.as_dict(),
             "scales": None if self.scales is None else list(self.scales),
@@ -148,6 +168,11 @@ class Diagnosis:
 def _rows_close(tol: Tolerance, actual: Array, expected: Array) -> np.ndarray:
     rows: np.ndarray = np.asarray(tol.close(actual, expected).all(axis=1))
     return rows
+
+
+def labels_for(names: tuple[str, ...] = get_args(Label)) -> tuple[Label, ...]:
+    """Every label, in catalogue order (a test keeps LABELS and the Literal in step)."""
+    return tuple(n for n in LABELS if n in names)
 
 
 def _occurrence_variants(paths: Paths, rows: np.ndarray) -> dict[str, Array]:
@@ -193,15 +218,13 @@ def diagnose(
     dtype: object = None,
     others: list[ArrayCheck] | None = None,
     mutated: tuple[str, ...] = (),
-    scale: float = 0.0,
 ) -> Diagnosis:
     """Compare ``dE`` with the reference ``paths`` row by row and name what is wrong.
 
-    ``dtype`` is the precision the implementation worked in (sets the tolerance); it defaults
-    to the dtype of ``dE``.  ``others`` are checks of the other outputs and ``mutated`` the
-    names of inputs the implementation wrote into; either turns a right dE into a wrong verdict.
-    ``scale`` is an extra magnitude atol is anchored on (e.g. a bound on |dE| that holds
-    whatever cancels inside g), so rounding of a near-zero gradient is not called wrong.
+    ``dtype`` is the precision the implementation is judged at (it sets each row's rounding
+    bound, see :mod:`tyingspec._tolerance`); it defaults to the dtype of ``dE``.  ``others``
+    are checks of the other outputs and ``mutated`` the names of inputs the implementation
+    wrote into; either turns a right dE into a wrong verdict.
     """
     raw = np.asarray(dE)
     actual = raw.astype(np.float64)
@@ -209,7 +232,9 @@ def diagnose(
     d_out = np.asarray(paths.dE_out, dtype=np.float64)
     ref = d_in + d_out
     V = ref.shape[0]
-    tol = tolerance_for(dtype if dtype is not None else raw.dtype, ref, d_in, d_out, scale)
+    precision: Precision = precision_of(dtype if dtype is not None else raw.dtype)
+    terms = paths.terms if paths.terms is not None else Terms.from_paths(d_in, d_out)
+    tol = row_tolerance(terms, precision)
     tokens = paths.tokens
     uniq, counts = np.unique(tokens, return_counts=True)
     repeated = {int(u): int(c) for u, c in zip(uniq, counts) if c > 1}
@@ -225,7 +250,7 @@ def diagnose(
     rep = np.array(sorted(repeated), dtype=np.int64)
 
     def on_rows(rows: np.ndarray, cand_rows: Array) -> np.ndarray:
-        return _rows_close(tol, actual[rows], cand_rows)
+        return _rows_close(tol.rows(rows), actual[rows], cand_rows)
 
     def whole_on(rows: np.ndarray, cand_rows: Array) -> bool:
         outside = row_ok.copy()
@@ -235,10 +260,10 @@ def diagnose(
     variants = _occurrence_variants(paths, rep) if repeated else {}
     dup_power = None
     if repeated:
-        dup_power = any(not _rows_close(tol, v + d_out[rep], ref[rep]).all()
+        dup_power = any(not _rows_close(tol.rows(rep), v + d_out[rep], ref[rep]).all()
                         for v in variants.values())
     power = Power(
-        input_path=not _rows_close(tol, d_out[pres], ref[pres]).all(),
+        input_path=not _rows_close(tol.rows(pres), d_out[pres], ref[pres]).all(),
         output_path=not _rows_close(tol, d_in, ref).all(),
         duplicates=dup_power,
     )
@@ -251,16 +276,23 @@ def diagnose(
                                           ("output path missing", d_in[r])]
         if r in rep_pos:
             cands += [(f"duplicates: {k}", v[rep_pos[r]] + d_out[r]) for k, v in variants.items()]
-        cause = next((name for name, cand in cands if tol.close(actual[r], cand).all()),
+        row_tol = tol.rows(np.array([r]))
+        cause = next((name for name, cand in cands if row_tol.close(actual[r], cand).all()),
                      "unexplained")
         causes.setdefault(cause, []).append(r)
 
     def whole(cand: Array) -> bool:
         return bool(_rows_close(tol, actual, cand).all())
 
-    label, detail, scales = "unknown", "", None
+    label: Label = "unknown"
+    detail, scales = "", None
     present_rows = [int(u) for u in uniq]
-    if not wrong_rows:
+    if wrong_rows and not power.input_path and not power.output_path:
+        # Neither path is visible on this example, so no pattern of rows can say which one is
+        # wrong: never give a path label here (the rows are still wrong).
+        detail = ("this example cannot attribute wrong rows to a path (neither path exceeds "
+                  "the rounding bound); see the wrong rows")
+    elif not wrong_rows:
         if not power.input_path or not power.output_path:
             label = "no_power"
             missing = [p for p, ok in (("input", power.input_path),
@@ -298,7 +330,8 @@ def diagnose(
     present = np.zeros(V, dtype=bool)
     present[uniq] = True
     masked = set(causes) == {"input path missing"}
-    if label == "unknown" and (masked or not present.all()):
+    attributable = power.input_path or power.output_path
+    if label == "unknown" and attributable and (masked or not present.all()):
         # Absent rows carry the output path alone, so the row pattern says which path is wrong;
         # present rows holding exactly the output path lost their input path (a masked row).
         absent_wrong = [r for r in wrong_rows if not present[r]]
@@ -325,7 +358,7 @@ def diagnose(
         label=label, detail=detail, rows_total=V, rows_wrong=len(wrong_rows),
         wrong_rows=wrong_rows, present_rows=present_rows, repeated_rows=repeated,
         row_causes=causes, max_abs_error=mx_abs, max_rel_error=mx_rel, tolerance=tol,
-        power=power, scales=scales, others=others,
+        power=power, scales=scales, others=others, margin=tol.excess(actual, ref),
     )
 
 

@@ -8,71 +8,12 @@ adapter and, wrapped around the probe model's forward/backward, as a model adapt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from ._probe import Array, IntArray, flatten_batch, forward_parts, scatter_rows
+from ._registry import REGISTRY, Implementation, register, register_combiner
 
-Combiner = Callable[[IntArray, Array, Array, Array, int], Array]
-ModelFn = Callable[..., Mapping[str, Any]]
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """A named built-in target: a model adapter, optionally also a kernel adapter."""
-
-    name: str
-    description: str
-    breaks: str | None  # invariant it breaks; None for a correct implementation
-    expected: str  # diagnosis label the checker should reach
-    model: ModelFn | None = None
-    kernel: Combiner | None = None
-    tags: tuple[str, ...] = field(default=())
-
-    @property
-    def correct(self) -> bool:
-        return self.breaks is None
-
-    def adapter(self, kind: str) -> Callable[..., Any] | None:
-        return self.model if kind == "model" else self.kernel
-
-
-REGISTRY: dict[str, Implementation] = {}
-
-
-def register(impl: Implementation) -> Implementation:
-    if impl.name in REGISTRY:
-        raise ValueError(f"implementation {impl.name!r} registered twice")
-    REGISTRY[impl.name] = impl
-    return impl
-
-
-def model_from_combiner(combine: Combiner) -> ModelFn:
-    """Wrap a path combiner into a full model adapter around the probe model."""
-
-    def model(
-        E: Array, W: Array, b: Array | None, tokens: Any, targets: Any,
-        *, res: float = 1.0, s_in: float = 1.0,
-    ) -> dict[str, Any]:
-        t, y = flatten_batch(tokens, targets)
-        p = forward_parts(E, E, W, b, t, y, res, s_in)
-        dE = combine(t, p.input_rows, p.h, p.g, E.shape[0])
-        return {"loss": p.loss, "dE": dE, "dW": p.dW, "db": p.db}
-
-    return model
-
-
-def register_combiner(
-    name: str, description: str, breaks: str | None, expected: str, *tags: str
-) -> Callable[[Combiner], Combiner]:
-    def deco(combine: Combiner) -> Combiner:
-        register(Implementation(name, description, breaks, expected,
-                                model=model_from_combiner(combine), kernel=combine, tags=tags))
-        return combine
-
-    return deco
-
+__all__ = ["REGISTRY", "Implementation", "register", "untied_forward_backward"]
 
 # --- correct -------------------------------------------------------------------------------
 
@@ -132,16 +73,5 @@ def _dup_buffered(tokens: IntArray, dx: Array, h: Array, g: Array, V: int) -> Ar
     return dE
 
 
-def builtin(name: str) -> Implementation:
-    """Look up a built-in by name with an error that lists what exists."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(REGISTRY))
-        raise KeyError(f"no built-in implementation {name!r}; known: {known}") from None
-
-
-
-
-# The mutant zoo and the correct styles register themselves here, so REGISTRY always has them.
+# The mutant zoo and the correct styles register themselves too, so REGISTRY has them all.
 from . import _mutants  # noqa: E402,F401

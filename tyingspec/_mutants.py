@@ -22,14 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ._implementations import (
-    Combiner,
-    Implementation,
-    ModelFn,
-    model_from_combiner,
-    register,
-)
 from ._probe import Array, IntArray, flatten_batch, forward_parts, scatter_rows
+from ._registry import Combiner, Implementation, ModelFn, model_from_combiner, register
 
 MUTANT, STYLE, STATEFUL = "mutant", "style", "stateful"
 
@@ -173,7 +167,9 @@ def _stale_model(E: Array, W: Array, b: Array | None, tokens: Any, targets: Any,
                  *, res: float = 1.0, s_in: float = 1.0) -> dict[str, Any]:
     t, y = flatten_batch(tokens, targets)
     p = forward_parts(E, E, W, b, t, y, res, s_in)
-    buf = _BUFFERS.setdefault(("model",) + E.shape + (E.dtype.str,), np.zeros_like(E))
+    # one buffer per model instance (W and b identify it, as for copy-tie)
+    buf = _BUFFERS.setdefault(("model", _model_key(W, b)) + E.shape + (E.dtype.str,),
+                              np.zeros_like(E))
     buf += p.g.T @ p.h + scatter_rows(t, p.input_rows, E.shape[0])  # E.grad without zero_grad
     return _result(p, buf.copy())
 
@@ -296,12 +292,13 @@ _both("sorts-tokens-in-place",
 register(Implementation(
     "grad-not-zeroed",
     "gradient buffer cached per shape and accumulated into, never zeroed: the second call "
-    "returns the sum of both", "FRESH", "path_scaled", model=_stale_model, kernel=_stale_kernel,
+    "returns the sum of both", "FRESH", "gradient_not_zeroed", model=_stale_model,
+    kernel=_stale_kernel,
     tags=(MUTANT, STATEFUL)))
 _model_only("copy-tie",
             "the tie is a copy: head U = E at initialisation, each stepped with its own gradient, "
             "so they diverge after one optimizer step (LLMs-from-scratch #822, flax #1263)",
-            "ID", "output_path_wrong", _copy_tie, MUTANT, STATEFUL)
+            "ID", "tie_is_a_copy", _copy_tie, MUTANT, STATEFUL)
 
 _both("tied-bincount", "input path as np.bincount per column of dx", None, "correct",
       _bincount, STYLE)
@@ -316,13 +313,13 @@ register(Implementation("tied-float32", "float32 end to end (judged at float32)"
 
 def mutants() -> list[Implementation]:
     """Every broken implementation in the registry (built-in variants and the zoo)."""
-    from ._implementations import REGISTRY
+    from ._registry import builtins
 
-    return [impl for impl in REGISTRY.values() if not impl.correct]
+    return [impl for impl in builtins().values() if not impl.correct]
 
 
 def styles() -> list[Implementation]:
     """Every correct implementation in the registry (the built-in and the styles)."""
-    from ._implementations import REGISTRY
+    from ._registry import builtins
 
-    return [impl for impl in REGISTRY.values() if impl.correct]
+    return [impl for impl in builtins().values() if impl.correct]

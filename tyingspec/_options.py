@@ -41,3 +41,23 @@ def int_list(text: str) -> tuple[int, ...]:
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
+
+
+def shape(text: str) -> tuple[int, int, int]:
+    """``V,d,N``: vocabulary size, width and batch length, each >= 1."""
+    values = int_list(text)
+    if len(values) != 3 or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected V,d,N as three positive integers (e.g. 50257,768,1024), got {text!r}")
+    return values[0], values[1], values[2]
+
+
+def shrink_budget(text: str) -> float:
+    """Seconds, a number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {v}")
+    return v

@@ -40,8 +40,9 @@ SUITE_PATH = Path(__file__).with_name("_suite.py").resolve()
 SUITE_NODEID = "tyingspec"
 TEST_PREFIX = f"{SUITE_NODEID}::test_"
 EXIT_ADAPTER = 2
-KINDS = ("model", "kernel")
+KINDS = ("model", "kernel")  # kept in step with tyingspec._kinds by a test (no numpy here)
 PROFILES = ("dev", "ci", "thorough")
+PRECISIONS = ("auto", "float64", "float32", "bfloat16", "float16")
 #: user_properties keys the workers attach to each property's report (builtin strings only:
 #: they cross xdist's process boundary and end up in --junitxml).
 PROP_NAME, PROP_INVARIANT, PROP_VERDICT, PROP_DIAGNOSIS, PROP_DETAIL = (
@@ -105,6 +106,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--tyingspec-kind", type=_choice("kind", KINDS), default="model",
                     help="adapter contract: model (E, W, b, tokens, targets -> loss, dE, dW, "
                          "db) or kernel (tokens, dx, h, g, V -> dE); default model")
+    group.addoption("--tyingspec-precision", type=_choice("precision", PRECISIONS),
+                    default="auto",
+                    help="precision to build cases in and judge at: auto (default: the least "
+                         "precise float the adapter returns), float64, float32, bfloat16, "
+                         "float16")
     group.addoption("--tyingspec-profile", type=_choice("profile", PROFILES), default=None,
                     help="Hypothesis settings for the property tests: dev (fast), ci "
                          "(derandomized; the default when $CI is set), thorough (hundreds of "
@@ -142,10 +148,13 @@ class Options:
     update_baseline: bool
     summary: str | None
     replay: str | None
+    precision: str = "auto"
 
     def command(self, *extra: str) -> str:
         """A pytest command line that reruns the property suite with these options."""
         args = ["pytest", f"--tyingspec-adapter={self.adapter}", f"--tyingspec-kind={self.kind}"]
+        if self.precision != "auto":
+            args.append(f"--tyingspec-precision={self.precision}")
         return shlex.join([*args, *extra])
 
 
@@ -167,7 +176,8 @@ def _options(config: pytest.Config) -> Options | None:
     profile = get("tyingspec_profile") or ("ci" if _in_ci() else "dev")
     return Options(adapter, get("tyingspec_kind"), profile, get("tyingspec_max_examples"),
                    get("tyingspec_baseline"), bool(get("tyingspec_update_baseline")),
-                   get("tyingspec_summary"), get("tyingspec_replay"))
+                   get("tyingspec_summary"), get("tyingspec_replay"),
+                   get("tyingspec_precision"))
 
 
 def _make_importable(config: pytest.Config) -> None:
@@ -210,7 +220,7 @@ class _SuiteModule(pytest.Module):
         assert isinstance(plugin, _Suite)
         opts = plugin.opts
         return build_module(opts.adapter, opts.kind, opts.profile, opts.max_examples,
-                            plugin.replay)
+                            plugin.replay, opts.precision)
 
     def funcnamefilter(self, name: str) -> bool:
         # Our names, whatever the user's python_functions ini says.
@@ -218,10 +228,6 @@ class _SuiteModule(pytest.Module):
 
     def classnamefilter(self, name: str) -> bool:
         return False
-
-
-def _path_of(rows: list[int], limit: int = 16) -> str:
-    return str(rows[:limit]) + (f" ... ({len(rows)} rows)" if len(rows) > limit else "")
 
 
 @dataclass(eq=False)  # pluggy keeps plugins in sets: identity hash
@@ -302,13 +308,6 @@ class _Suite:
         return self.opts.command(f"-k=test_{prop}",
                                  f"--tyingspec-replay={format_replay(prop, case)}")
 
-    @staticmethod
-    def _batch_lines(case: Any) -> list[str]:
-        tokens = "" if case.tokens is None else f" tokens={list(case.tokens)}"
-        targets = "" if case.targets is None else f" targets={list(case.targets)}"
-        return [f"  {case.describe()}",
-                f"  composition={case.composition}{tokens}{targets}"]
-
     def _crash_location(self, item: pytest.Item) -> tuple[str, int]:
         # Point `--tb=line` and editors at the adapter's source when we can find it.
         target = (getattr(item, "funcargs", None) or {}).get("tyingspec_target")
@@ -327,21 +326,13 @@ class _Suite:
         prop = self._property(item)
         opts = self.opts
         if isinstance(exc, PropertyFailure):
+            from ._render import batch_lines, diagnosis_lines
+
             lines = [(f"tyingspec: property {prop} does not hold for adapter {opts.adapter!r} "
                      f"({opts.kind}): {exc.headline}")]
             diag = exc.diagnosis
             if diag is not None:
-                lines.append(f"verdict: {diag.label}: {diag.headline()}")
-                if diag.row_causes:
-                    lines.append("path: " + "; ".join(
-                        f"{cause} on rows {_path_of(rows)}"
-                        for cause, rows in diag.row_causes.items()))
-                lines.append(f"rows: {diag.rows_wrong} wrong of {diag.rows_total} "
-                             f"({diag.rows_exact} exactly right); wrong rows "
-                             f"{_path_of(diag.wrong_rows)}")
-                lines.append(f"error: max abs {diag.max_abs_error:.3g}, max rel "
-                             f"{diag.max_rel_error:.3g} (atol {diag.tolerance.atol:g}, "
-                             f"rtol {diag.tolerance.rtol:g})")
+                lines += diagnosis_lines(diag, stage=exc.stage, indent="")
                 crash = f"{diag.label}: {diag.rows_wrong} of {diag.rows_total} rows wrong"
             else:
                 lines.append(f"verdict: {exc.label}")
@@ -350,7 +341,7 @@ class _Suite:
                 lines.append(exc.details)
             case = exc.case
             lines += ["", "failing batch (replayed):" if self.replay is not None else
-                      "smallest failing batch (shrunk by Hypothesis):", *self._batch_lines(case)]
+                      "smallest failing batch (shrunk by Hypothesis):", *batch_lines(case)]
         elif isinstance(exc, AdapterError):
             lines = [(f"tyingspec: adapter error in property {prop}: adapter {opts.adapter!r} "
                      f"({opts.kind}) misbehaved, so no gradient verdict was reached"),
@@ -358,8 +349,10 @@ class _Suite:
             crash = f"adapter_error: {exc}"
             case = getattr(exc, CASE_ATTR, None)
             if case is not None:
+                from ._render import batch_lines
+
                 lines += ["", "smallest batch that triggers it (shrunk by Hypothesis):",
-                          *self._batch_lines(case)]
+                          *batch_lines(case)]
         else:
             return None
         if case is not None:
@@ -417,10 +410,11 @@ class _Controller:
     regressed: bool = False
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        from ._adapters import AdapterError, resolve
+        from ._adapters import AdapterError
+        from ._engine import load as load_target
 
         try:
-            resolve(self.opts.adapter, self.opts.kind)
+            load_target(self.opts.adapter, self.opts.kind)
         except AdapterError as exc:
             pytest.exit(f"tyingspec: --tyingspec-adapter={self.opts.adapter} "
                         f"(kind {self.opts.kind}) cannot be used: {exc}", returncode=EXIT_ADAPTER)

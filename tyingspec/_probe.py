@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from ._tolerance import Terms
+
 Array = NDArray[np.floating]
 IntArray = NDArray[np.integer]
 
@@ -50,6 +52,7 @@ class Paths:
     db: Array | None
     per_position: Array  # [N, d] input-path contribution of each position
     tokens: IntArray
+    terms: Terms | None = None  # what the rounding bound is built from (see _tolerance)
 
     @property
     def dE(self) -> Array:
@@ -132,7 +135,54 @@ def closed_form_paths(
         db=p.db,
         per_position=per_pos,
         tokens=t,
+        terms=model_terms(E, out, W, b, t, y, res, s_in, p),
     )
+
+
+def _output_rows(g: Array, h: Array, targets: IntArray) -> tuple[Array, Array]:
+    """sum_n (|g[n, v]| + [y_n = v]/N) max_j |h[n, j]| per row v, and the same weights'
+    column sums (the db magnitude)."""
+    n = g.shape[0]
+    h_inf = np.abs(h).max(axis=1, initial=0.0)
+    w = np.abs(g)
+    # the target's probability enters g as p - 1: count it even when g ~ 0 (a fitted batch)
+    tgt = np.bincount(targets, minlength=g.shape[1])[: g.shape[1]] / max(n, 1)
+    tgt_h = np.bincount(targets, weights=h_inf, minlength=g.shape[1])[: g.shape[1]] / max(n, 1)
+    return w.T @ h_inf + tgt_h, w.sum(axis=0) + tgt
+
+
+def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: IntArray,
+                targets: IntArray, res: float, s_in: float, p: Parts) -> Terms:
+    """Bound terms of the probe model on one batch (see :mod:`tyingspec._tolerance`)."""
+    E64 = np.abs(np.asarray(E_out, dtype=np.float64))
+    V, d = E64.shape
+    n = tokens.shape[0]
+    g = np.asarray(p.g, dtype=np.float64)
+    h = np.asarray(p.h, dtype=np.float64)
+    out_rows, db = _output_rows(g, h, targets)
+    e_max = max(float(E64.max(initial=0.0)), float(np.abs(E_in).max(initial=0.0)))
+    w_inf = float(np.abs(np.asarray(W, dtype=np.float64)).sum(axis=1).max(initial=0.0))
+    m = 2.0 / max(n, 1) * e_max * (abs(res) + w_inf)
+    in_rows = abs(s_in) * m * np.bincount(tokens, minlength=V)[:V]
+    b_max = 0.0 if b is None else float(np.abs(b).max(initial=0.0))
+    h_inf = float(np.abs(h).max(initial=0.0))
+    logit = h_inf * float(E64.sum(axis=1).max(initial=0.0)) + b_max
+    k = d + n + float(np.sqrt(V)) + logit
+    x = np.abs(np.asarray(p.x, dtype=np.float64))
+    # |du| plus what it can be whatever cancels inside g @ E (so a dW that is 0 in truth, e.g.
+    # V = 1, still gets an allowance for the rounding of g)
+    du = np.abs(np.asarray(p.du, dtype=np.float64)) + 2.0 / max(n, 1) * e_max
+    return Terms(rows=out_rows + in_rows, k=k, loss=logit + abs(p.loss), dW=x.T @ du,
+                 db=db if b is not None else None)
+
+
+def kernel_terms(tokens: IntArray, dx: Array, h: Array, g: Array, V: int) -> Terms:
+    """Bound terms of a kernel call: its inputs are given, only its reductions round."""
+    g64 = np.abs(np.asarray(g, dtype=np.float64))
+    h_inf = np.abs(np.asarray(h, dtype=np.float64)).max(axis=1, initial=0.0)
+    dx_inf = np.abs(np.asarray(dx, dtype=np.float64)).max(axis=1, initial=0.0)
+    rows = g64.T @ h_inf + np.bincount(tokens, weights=dx_inf, minlength=V)[:V]
+    return Terms(rows=rows, k=float(tokens.shape[0] + np.sqrt(V) + 1))
 
 
 def loss_only(

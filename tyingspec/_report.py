@@ -17,32 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from ._check import CaseResult, CheckReport
-from ._diagnosis import Diagnosis
+from ._render import diagnosis_lines, exact_cell, power_text, rows_text
+
+__all__ = ["SCHEMA", "as_json", "exact_cell", "render", "render_case", "rows_text",
+           "write_json"]
 
 SCHEMA = "tyingspec.check/1"
-
-
-def exact_cell(d: Diagnosis) -> str:
-    """'64 of 64', '56 of 64 (87.5%)' or '0': the form of the write-up's table."""
-    if d.rows_exact == 0:
-        return "0"
-    if d.rows_exact == d.rows_total:
-        return f"{d.rows_exact} of {d.rows_total}"
-    return f"{d.rows_exact} of {d.rows_total} ({100.0 * d.rows_exact / d.rows_total:.1f}%)"
-
-
-def rows_text(rows: list[int], limit: int = 16) -> str:
-    shown = ", ".join(map(str, rows[:limit]))
-    return f"[{shown}{', ...' if len(rows) > limit else ''}]"
-
-
-def _power_text(d: Diagnosis) -> str:
-    def yn(v: bool | None) -> str:
-        return "n/a" if v is None else ("yes" if v else "NO")
-
-    p = d.power
-    return (f"power: input path {yn(p.input_path)}, output path {yn(p.output_path)}, "
-            f"duplicates {yn(p.duplicates)}")
 
 
 def render_case(r: CaseResult) -> list[str]:
@@ -52,32 +32,24 @@ def render_case(r: CaseResult) -> list[str]:
     if r.error:
         lines.append(f"  error: {r.error}")
     d = r.diagnosis
-    if d is not None:
-        when = "" if r.stage == "first call" else f" ({r.stage} of E with the returned dE)"
-        lines.append(f"  diagnosis{when}: {d.headline()}")
-        for o in d.others:
-            if not o.ok:
-                lines.append(f"  {o.describe()}")
-        if r.mutated:
-            lines.append(f"  the adapter modified its inputs: {', '.join(r.mutated)}")
-        lines.append(f"  rows: {d.rows_wrong} wrong, {exact_cell(d)} exactly right"
-                     + (f"; wrong rows {rows_text(d.wrong_rows)}" if d.wrong_rows else ""))
-        for cause, rows in d.row_causes.items():
-            lines.append(f"    {cause}: rows {rows_text(rows)}")
-        lines.append(f"  {_power_text(d)}")
+    if d is not None and r.status != "correct":
+        lines += diagnosis_lines(d, stage=r.stage, mutated=r.mutated)
+    elif d is not None:
+        lines.append(f"  {power_text(d)}; judged at {d.precision}, worst row {d.margin:.3g}x "
+                     "its rounding bound")
     if r.shrunk is not None:
         lines.append(f"  smallest failing batch: tokens={list(r.shrunk.tokens or ())} "
-                     f"targets={list(r.shrunk.targets or ())}")
+                     f"targets={list(r.shrunk.targets or ())}"
+                     + (f" ({r.shrink_note})" if r.shrink_note else ""))
     if r.status != "correct":
         lines.append(f"  replay: {r.replay}")
-    if d is not None and r.status != "correct":
-        lines.append(f"  max abs error {d.max_abs_error:.3g}, max rel error "
-                     f"{d.max_rel_error:.3g} under {d.tolerance.describe()}")
     return lines
 
 
 def render(report: CheckReport) -> str:
-    lines = [f"tyingspec check {report.target} --kind {report.kind} --seed {report.seed}"]
+    lines = [f"tyingspec check {report.target} --kind {report.kind} --seed {report.seed}"
+             + ("" if report.precision == "auto" else f" --precision {report.precision}")]
+    lines += report.notes
     if report.load_error:
         lines.append(f"error: {report.load_error}")
     for r in report.results:
@@ -111,6 +83,7 @@ def as_json(report: CheckReport) -> dict[str, Any]:
         "verdict": report.verdict,
         "diagnosis": report.diagnosis_label,
         "exit_code": report.exit_code,
+        "precision": report.precision,
         "load_error": report.load_error,
         "cases": [r.as_dict() for r in report.results],
     })

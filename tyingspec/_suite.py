@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -25,6 +24,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 
 if TYPE_CHECKING:
     from ._cases import Case
+    from ._engine import Target
     from .properties import Property
 
 # numpy, sympy and the properties load inside the functions that need them: the plugin's report
@@ -40,22 +40,6 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 #: Attribute on an AdapterError naming the batch it happened on (read by the plugin's report).
 CASE_ATTR = "tyingspec_case"
-
-
-@dataclass(frozen=True)
-class Target:
-    """The adapter under test, resolved in this process."""
-
-    spec: str
-    kind: str
-    fn: Callable[..., Any]
-
-    def __repr__(self) -> str:
-        return f"Target({self.spec!r}, {self.kind!r})"
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        # Hypothesis' falsifying example would otherwise list the dataclass field by field.
-        printer.text(repr(self))
 
 
 def profile_settings(profile: str, max_examples: int | None = None, *,
@@ -90,19 +74,20 @@ def profile_settings(profile: str, max_examples: int | None = None, *,
 
 def property_names(kind: str) -> list[str]:
     """The properties that apply to ``kind``, in the order every worker collects them."""
-    from .properties import for_kind
+    from ._kinds import kind_spec
 
-    return sorted(p.name for p in for_kind(kind))
+    return sorted(kind_spec(kind).properties)
 
 
 def _make_test(prop: Property, chosen: settings, replay: Case | None) -> Callable[..., None]:
     from ._adapters import AdapterError
+    from .properties import label_locked
 
-    check = prop.check
+    check = label_locked(prop.check)
 
     def test_property(tyingspec_target: Target, case: Case) -> None:
         try:
-            check(tyingspec_target.fn, tyingspec_target.spec, tyingspec_target.kind, case)
+            check(tyingspec_target, case)
         except AdapterError as exc:
             setattr(exc, CASE_ATTR, case)
             raise
@@ -119,10 +104,11 @@ def _make_test(prop: Property, chosen: settings, replay: Case | None) -> Callabl
 
 
 def build_module(spec: str, kind: str, profile: str, max_examples: int | None = None,
-                 replay: tuple[str, Case] | None = None) -> types.ModuleType:
+                 replay: tuple[str, Case] | None = None, precision: str = "auto",
+                 ) -> types.ModuleType:
     """A module object holding the session fixture ``tyingspec_target`` and one test per
     property (only the replayed one with ``replay``)."""
-    from ._adapters import resolve
+    from ._engine import load
     from .properties import PROPERTIES
 
     module = types.ModuleType("tyingspec._suite", __doc__)
@@ -132,7 +118,7 @@ def build_module(spec: str, kind: str, profile: str, max_examples: int | None = 
     def tyingspec_target() -> Target:
         # Resolved lazily in each process (xdist workers included): only the spec string
         # crosses process boundaries.  An AdapterError here errors every property's setup.
-        return Target(spec, kind, resolve(spec, kind))
+        return load(spec, kind, precision)  # type: ignore[arg-type]
 
     module.tyingspec_target = tyingspec_target  # type: ignore[attr-defined]
     chosen = profile_settings(profile, max_examples, replay=replay is not None)

@@ -5,8 +5,8 @@ The loss is written with the two uses of E as separate symbol matrices, ``E_in``
 the token, itself a vector of symbols filled in at evaluation time: one compiled function then
 serves every token, target and batch length for a given (V, d), and a repeated token's row
 accumulates because the derivative of the batch mean is the sum of the positions' derivatives,
-not because we wrote a scatter-add.  The target enters the same way as a one-hot ``y``.  The tied reference is
-``dL/dE_in + dL/dE_out`` evaluated at ``E_in = E_out = E``.
+not because we wrote a scatter-add.  The target enters the same way as a one-hot ``y``.  The
+tied reference is ``dL/dE_in + dL/dE_out`` evaluated at ``E_in = E_out = E``.
 
 Cost grows super-linearly with V*d*N, so this is for small shapes; compiled functions are cached
 per (V, d, has_bias) in each process (each pytest-xdist worker compiles its own).
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import sympy as sp
 
-from ._probe import Array, Paths, flatten_batch, forward_parts
+from ._probe import Array, Paths, flatten_batch, forward_parts, model_terms
 
 #: Beyond this many entries in E (V*d) the derivation takes seconds per shape; use the closed form.
 MAX_SYMBOLIC_ENTRIES = 12
@@ -96,6 +96,7 @@ def symbolic_paths(
     db = vals[2 * V * d + d * d:].reshape(V) if b is not None else None
     # Per-position input-path rows are not a symbolic output; the diagnosis uses them only to
     # explain duplicate bugs, so take them from the closed form's scatter structure.
-    per_pos = forward_parts(E, out, W, b, t, y, res, s_in).input_rows
+    parts = forward_parts(E, out, W, b, t, y, res, s_in)
     return Paths(loss=float(loss), dE_in=g_in, dE_out=g_out, dW=g_W, db=db,
-                 per_position=per_pos, tokens=t)
+                 per_position=parts.input_rows, tokens=t,
+                 terms=model_terms(E, out, W, b, t, y, res, s_in, parts))

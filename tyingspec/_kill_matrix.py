@@ -1,4 +1,4 @@
-"""Power, shown: the kill matrix of every property against every mutant in the zoo.
+"""The kill matrix: every property against every mutant in the zoo (tyingspec's power, shown).
 
 For each mutant and each kind it comes in, every user-facing property that applies to the kind
 is run with Hypothesis (derandomized unless a seed is given, bounded examples, no database).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,9 +23,9 @@ from typing import Any
 
 from ._adapters import AdapterError
 from ._cases import Case
-from ._implementations import REGISTRY, Implementation
 from ._options import positive_int
 from ._options import seed as option_seed
+from ._registry import Implementation, builtins
 
 SCHEMA = "tyingspec.mutants/1"
 KINDS = ("model", "kernel")
@@ -72,6 +73,14 @@ class Row:
     def correct(self) -> bool:
         return self.breaks is None
 
+    check_label: str | None = None  # what `tyingspec check NAME` concludes on its cases
+
+    @property
+    def label(self) -> str | None:
+        """The kill label: the verdict ``tyingspec check`` reaches on its standard cases (the
+        engine both front ends share).  The smallest killing batch may carry a weaker label:
+        shrunk to one present token, a padding mask *is* a missing input path."""
+        return self.check_label
     @property
     def killed_by(self) -> list[str]:
         return [p for p, c in self.cells.items() if c.failed]
@@ -94,6 +103,7 @@ class Row:
         small = self.smallest()
         return {"name": self.name, "kind": self.kind, "breaks": self.breaks,
                 "expected": self.expected, "ok": self.ok, "killed_by": self.killed_by,
+                "label": self.label,
                 "smallest": None if small is None else
                 {"property": small.prop, "label": small.label,
                  "batch": batch_dict(small.case)},  # type: ignore[arg-type]
@@ -161,17 +171,19 @@ def run_property(prop: Any, impl: Implementation, kind: str, *, max_examples: in
     from hypothesis.errors import Flaky, Unsatisfiable, UnsatisfiedAssumption
     from hypothesis.strategies import SearchStrategy
 
-    from tyingspec.properties import PropertyFailure
+    from tyingspec.properties import PropertyFailure, label_locked
 
     from . import _mutants
+    from ._engine import load
 
     _mutants.reset_state()
-    fn = impl.adapter(kind)
+    target = load(impl.name, kind)
     counts = {"examples": 0, "discarded": 0}
+    check = label_locked(prop.check)
 
     def body(case: Case) -> None:
         try:
-            prop.check(fn, impl.name, kind, case)
+            check(target, case)
         except UnsatisfiedAssumption:
             counts["discarded"] += 1
             raise
@@ -228,8 +240,15 @@ def run_row(impl: Implementation, kind: str, *, max_examples: int,
     """Every applicable property against one implementation of one kind."""
     from tyingspec.properties import for_kind
 
+    from . import _mutants
+    from ._cases import standard_cases
+    from ._check import check_target
+
     wanted = None if properties is None else set(properties)
     row = Row(impl.name, kind, impl.breaks, impl.expected)
+    _mutants.reset_state()
+    row.check_label = check_target(impl.name, kind, 0, standard_cases(0),
+                                   shrink_budget=0.0).diagnosis_label
     for prop in for_kind(kind):
         if wanted is None or prop.name in wanted:
             row.cells[prop.name] = run_property(prop, impl, kind, max_examples=max_examples,
@@ -240,21 +259,27 @@ def run_row(impl: Implementation, kind: str, *, max_examples: int,
 def targets(kinds: Sequence[str] = KINDS, names: Iterable[str] | None = None
             ) -> list[tuple[Implementation, str]]:
     """(implementation, kind) pairs to run: every registry entry in every kind it has."""
-    chosen = list(REGISTRY.values()) if names is None else [REGISTRY[n] for n in names]
+    known = builtins()
+    chosen = list(known.values()) if names is None else [known[n] for n in names]
     return [(impl, k) for impl in chosen for k in kinds if impl.adapter(k) is not None]
 
 
 def kill_matrix(*, kinds: Sequence[str] = KINDS, max_examples: int = DEFAULT_MAX_EXAMPLES,
-                seed: int | None = None, names: Iterable[str] | None = None) -> PowerReport:
-    """Run every property against every mutant and every correct implementation."""
+                seed: int | None = None, names: Iterable[str] | None = None,
+                progress: Callable[[int, int, Row, float], None] | None = None) -> PowerReport:
+    """Run every property against every mutant and every correct implementation;
+    ``progress(done, total, row, elapsed)`` is called after each row."""
     from tyingspec.properties import PROPERTIES
 
     t0 = time.perf_counter()
     mutants: list[Row] = []
     styles: list[Row] = []
-    for impl, kind in targets(kinds, names):
+    todo = targets(kinds, names)
+    for i, (impl, kind) in enumerate(todo, 1):
         row = run_row(impl, kind, max_examples=max_examples, seed=seed)
         (styles if impl.correct else mutants).append(row)
+        if progress is not None:
+            progress(i, len(todo), row, time.perf_counter() - t0)
     props = [(p.name, p.invariant, p.kinds) for p in PROPERTIES.values()
              if any(k in p.kinds for k in kinds)]
     return PowerReport(props, mutants, styles, max_examples, seed, time.perf_counter() - t0)
@@ -286,8 +311,9 @@ def render(report: PowerReport) -> str:
         if small is None or small.case is None:
             lines.append(f"  {r.name} ({r.kind}): survived every property")
             continue
-        lines.append(f"  {r.name} ({r.kind}) by {small.prop} [{small.label}]: "
-                     f"{batch_text(small.case)}")
+        note = "" if r.label == r.expected else f" (registry expects {r.expected})"
+        lines.append(f"  {r.name} ({r.kind}) [{r.label}]{note} by {small.prop} "
+                     f"[{small.label}]: {batch_text(small.case)}")
     lines += ["", "correct implementations (every property must pass): F failed, . passed"]
     for r in report.styles:
         cells = " ".join(f"{mark[r.cells[p].status] if p in r.cells else '':>2}" for p in props)
@@ -308,10 +334,34 @@ def render(report: PowerReport) -> str:
 
 
 def _mutant_name(text: str) -> str:
-    if text not in REGISTRY:
+    known = builtins()
+    if text not in known:
         raise argparse.ArgumentTypeError(
-            f"no implementation {text!r}; known: {', '.join(sorted(REGISTRY))}")
+            f"no implementation {text!r}; known: {', '.join(sorted(known))}")
     return text
+
+
+def progress_printer(stream: Any = None) -> Callable[[int, int, Row, float], None]:
+    """Progress of the kill matrix on stderr: a bar redrawn in place on a terminal, one plain
+    line per row otherwise (CI logs keep every line)."""
+    out = stream if stream is not None else sys.stderr
+    tty = bool(getattr(out, "isatty", lambda: False)())
+
+    def show(done: int, total: int, row: Row, elapsed: float) -> None:
+        verdict = ("ok" if row.ok else "NOT OK") + (f" [{row.label}]" if row.label else "")
+        if tty:
+            width = 30
+            filled = width * done // total
+            out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                      f"{elapsed:5.0f} s  {row.name} ({row.kind}) {verdict}\033[K")
+            if done == total:
+                out.write("\n")
+        else:
+            out.write(f"mutants: {done}/{total} {row.name} ({row.kind}) {verdict} "
+                      f"({elapsed:.0f} s)\n")
+        out.flush()
+
+    return show
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -337,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``tyingspec mutants``; returns the exit status."""
     kinds = KINDS if args.kind == "all" else (args.kind,)
     report = kill_matrix(kinds=kinds, max_examples=args.max_examples, seed=args.seed,
-                         names=args.only)
+                         names=args.only, progress=progress_printer())
     print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
@@ -345,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tyingspec._power``: the same as ``tyingspec mutants``."""
+    """``python -m tyingspec._kill_matrix``: the same as ``tyingspec mutants``."""
     parser = argparse.ArgumentParser(prog="tyingspec mutants")
     configure_parser(parser)
     return run(parser.parse_args(argv))

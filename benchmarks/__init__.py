@@ -1,0 +1,1 @@
+"""Speed and verdict benchmarks (importable so that `benchmarks.torch_probe:NAME` resolves)."""

@@ -1,0 +1,230 @@
+"""What `tyingspec check` costs a user with a torch model, and what it says about torch bugs.
+
+Run from the repository root (the targets are ``benchmarks.torch_probe:NAME``)::
+
+    python -m benchmarks.bench_check                          # V=50257 d=768 N=1024 (GPT-2)
+    python -m benchmarks.bench_check --V 2000 --d 64 --N 256  # quick
+    python benchmarks/bench_check.py --repeats 5 --skip-verdicts
+
+Part 1 (timing), interleaved over ``--repeats`` rounds (A, B, C, S, A, B, C, S, ...):
+
+- (a) one forward+backward of ``tied_f32``, called in this process on the float32 batch the
+  check's ``absent-tokens`` case builds at that shape (after one untimed warm-up call);
+- (b) the whole command ``tyingspec check benchmarks.torch_probe:tied_f32 --precision float32
+  --shape V,d,N --case absent-tokens --shrink-budget 0 --json TMP``, as a subprocess;
+- (c) the same command for the broken ``input_path_dropped``;
+- (S) ``tyingspec --help`` as a subprocess: the Python + tyingspec start-up a command pays.
+
+It prints min/median/max of each, median(b)/median(a), and median(b) - median(S).
+
+Part 2 (verdicts): each broken torch variant, the correct one and the float64-returning one,
+checked at the same shape on the case that exposes its bug; prints the JSON's verdict, label,
+precision and margin next to the label expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python benchmarks/bench_check.py` as well as `python -m`
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.torch_probe import ADAPTERS, tied_f32  # noqa: E402
+from tyingspec import build, standard_cases  # noqa: E402
+from tyingspec._cases import Batch, at_shape  # noqa: E402
+
+MODULE = "benchmarks.torch_probe"
+BROKEN_TIMED = "input_path_dropped"
+
+
+def tyingspec_cmd() -> list[str]:
+    """The console script a user runs (``python -m tyingspec._cli`` if it is not on PATH)."""
+    exe = shutil.which("tyingspec")
+    return [exe] if exe else [sys.executable, "-m", "tyingspec._cli"]
+
+
+def check_argv(target: str, shape: tuple[int, int, int], case: str, precision: str,
+               json_path: Path) -> list[str]:
+    V, d, N = shape
+    return ["check", f"{MODULE}:{target}", "--precision", precision, "--shape", f"{V},{d},{N}",
+            "--case", case, "--shrink-budget", "0", "--json", str(json_path)]
+
+
+@dataclass
+class Run:
+    """One subprocess: its command line, wall time, exit status and JSON report."""
+
+    argv: list[str]
+    seconds: float
+    returncode: int
+    report: dict[str, Any] | None
+    stderr: str
+
+
+def run_cli(args: Sequence[str], json_path: Path | None = None) -> Run:
+    """Run ``tyingspec ARGS`` from the repository root and time the whole process."""
+    argv = tyingspec_cmd() + list(args)
+    if json_path is not None:
+        json_path.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    report = (json.loads(json_path.read_text())
+              if json_path is not None and json_path.exists() else None)
+    return Run(argv, seconds, proc.returncode, report, proc.stderr)
+
+
+def absent_tokens_batch(shape: tuple[int, int, int], seed: int) -> Batch:
+    """The float32 batch ``--precision float32 --shape V,d,N --case absent-tokens`` builds."""
+    cases, _ = at_shape(standard_cases(seed), *shape)
+    case = next(c for c in cases if c.name == "absent-tokens")
+    return build(replace(case, dtype="float32"))
+
+
+def forward_backward(batch: Batch) -> Callable[[], object]:
+    return lambda: tied_f32(batch.E, batch.W, batch.b, batch.tokens, batch.targets,
+                            res=batch.res, s_in=batch.s_in)
+
+
+def timed(f: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def spread(xs: Sequence[float]) -> str:
+    return (f"min {min(xs):8.2f} s  median {statistics.median(xs):8.2f} s  "
+            f"max {max(xs):8.2f} s")
+
+
+def case_summary(run: Run) -> str:
+    """verdict, label, precision, margin and wrong rows of a one-case report."""
+    rep = run.report
+    if rep is None:
+        return f"no JSON (exit {run.returncode}): {run.stderr.strip()[-300:]}"
+    c = rep["cases"][0]
+    margin = c.get("margin")
+    m = "n/a" if margin is None else f"{float(margin):.3g}"
+    return (f"verdict {rep['verdict']}, label {c.get('label')}, precision {c.get('precision')}, "
+            f"margin {m}, rows wrong {c.get('rows_wrong')}/{c.get('rows_total')} "
+            f"(exit {run.returncode}, {run.seconds:.1f} s)")
+
+
+def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> None:
+    V, d, N = shape
+    batch = absent_tokens_batch(shape, seed)
+    fb = forward_backward(batch)
+    fb()  # warm-up: torch's first call pays one-off allocator and kernel set-up
+    a: list[float] = []
+    b: list[float] = []
+    c: list[float] = []
+    s: list[float] = []
+    last: dict[str, Run] = {}
+    for _ in range(repeats):
+        a.append(timed(fb))
+        for name, out in (("tied_f32", b), (BROKEN_TIMED, c)):
+            r = run_cli(check_argv(name, shape, "absent-tokens", "float32", tmp / "t.json"),
+                        tmp / "t.json")
+            out.append(r.seconds)
+            last[name] = r
+        s.append(run_cli(["--help"]).seconds)
+    print(f"== timing: V={V} d={d} N={N}, float32, seed {seed}, {repeats} interleaved rounds, "
+          f"torch {torch_version()} with {torch_threads()} threads")
+    print("(a) one forward+backward of tied_f32, in process")
+    print(f"    {spread(a)}")
+    print("(b) " + " ".join(["tyingspec"] + last["tied_f32"].argv[1:]).replace(
+        str(tmp / "t.json"), "TMP"))
+    print(f"    {spread(b)}   -> {case_summary(last['tied_f32'])}")
+    print(f"(c) the same for {BROKEN_TIMED}")
+    print(f"    {spread(c)}   -> {case_summary(last[BROKEN_TIMED])}")
+    print("(S) tyingspec --help (interpreter + tyingspec start-up)")
+    print(f"    {spread(s)}")
+    mb, ma, ms = statistics.median(b), statistics.median(a), statistics.median(s)
+    print(f"median(b) / median(a)             = {mb / ma:.2f}x")
+    print(f"median(b) - median(S)             = {mb - ms:.2f} s  "
+          f"({(mb - ms) / ma:.2f}x one forward+backward)")
+    print(f"median(c) / median(a)             = {statistics.median(c) / ma:.2f}x")
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
+
+
+#: (target, precision, case, label expected in the JSON)
+VERDICT_RUNS: list[tuple[str, str, str, str]] = [
+    ("tied_f32", "float32", "repeated-tokens", "correct"),
+    ("input_path_dropped", "float32", "repeated-tokens", ADAPTERS["input_path_dropped"]),
+    ("one_token_twice_not_accumulated", "float32", "repeated-tokens",
+     ADAPTERS["one_token_twice_not_accumulated"]),
+    ("path_halved", "float32", "repeated-tokens", ADAPTERS["path_halved"]),
+    ("tied_f32", "float32", "one-token-repeated", "correct"),
+    ("one_token_twice_not_accumulated", "float32", "one-token-repeated",
+     ADAPTERS["one_token_twice_not_accumulated"]),
+    ("tied_f32", "float32", "token-zero", "correct"),
+    ("padding_row_masked", "float32", "token-zero", ADAPTERS["padding_row_masked"]),
+    ("tied_f32_upcast", "auto", "repeated-tokens", "precision_limited"),
+    ("tied_f32_upcast", "float32", "repeated-tokens", "correct"),
+]
+
+
+def verdicts(shape: tuple[int, int, int], tmp: Path) -> None:
+    V, d, N = shape
+    print(f"\n== verdicts at V={V} d={d} N={N} (--shrink-budget 0)")
+    as_expected = 0
+    for target, precision, case, expected in VERDICT_RUNS:
+        r = run_cli(check_argv(target, shape, case, precision, tmp / "v.json"), tmp / "v.json")
+        got = None if r.report is None else r.report["cases"][0].get("label")
+        ok = got == expected
+        as_expected += ok
+        print(f"{target:<32} --precision {precision:<7} --case {case:<18} expected {expected}")
+        print(f"    {'OK  ' if ok else 'DIFF'} {case_summary(r)}")
+        if not ok and r.report is not None:
+            print(f"    detail: {r.report['cases'][0].get('detail')}")
+    print(f"labels as expected: {as_expected} of {len(VERDICT_RUNS)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--V", type=int, default=50257)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--N", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="base seed of the in-process batch "
+                    "(the subprocesses use tyingspec's default, 0)")
+    ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--skip-verdicts", action="store_true")
+    a = ap.parse_args(argv)
+    shape = (a.V, a.d, a.N)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        if not a.skip_timing:
+            timing(shape, a.repeats, a.seed, tmp)
+        if not a.skip_verdicts:
+            verdicts(shape, tmp)
+    print(f"\ntotal benchmark time {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""One engine behind both front ends, and verdicts that know their precision."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis.errors import UnsatisfiedAssumption
+from tyingspec.properties import PROPERTIES, PropertyFailure
+
+import tyingspec
+from tyingspec import KINDS, LABELS, load, standard_cases
+from tyingspec._check import check_target
+from tyingspec._cli import main
+from tyingspec._diagnosis import Label
+from tyingspec._mutants import reset_state
+from tyingspec._registry import builtins
+
+FORMS = [(name, kind) for name, impl in builtins().items() for kind in KINDS
+         if impl.adapter(kind) is not None]
+
+
+def _property_verdict(name: str, kind: str) -> list[tuple[str, str]]:
+    """sum_of_paths (the property front end) on each standard case: (status, label)."""
+    target = load(name, kind)
+    out = []
+    for case in standard_cases(0):
+        try:
+            PROPERTIES["sum_of_paths"].check(target, case)
+        except PropertyFailure as exc:
+            out.append(("wrong", exc.label))
+        except UnsatisfiedAssumption:
+            out.append(("no_power", "no_power"))
+        else:
+            out.append(("correct", "correct"))
+    return out
+
+
+@pytest.mark.parametrize("name,kind", FORMS, ids=[f"{n}-{k}" for n, k in FORMS])
+def test_check_and_the_property_suite_reach_the_same_verdict_and_label(name: str,
+                                                                       kind: str) -> None:
+    reset_state()
+    report = check_target(name, kind, 0, standard_cases(0), shrink_budget=0.0)
+    cli = [(r.status, r.diagnosis.label if r.diagnosis else r.status) for r in report.results]
+    reset_state()
+    assert _property_verdict(name, kind) == cli
+    expected = builtins()[name].expected
+    if builtins()[name].correct:
+        assert report.exit_code == 0, [c for c in cli if c[0] != "correct"]
+    else:
+        assert report.exit_code == 1 and report.diagnosis_label == expected, cli
+
+
+def test_the_registry_labels_are_catalogue_labels_and_the_literal_matches_the_table() -> None:
+    from typing import get_args
+
+    assert set(get_args(Label)) == set(LABELS)
+    assert {impl.expected for impl in builtins().values()} <= set(LABELS)
+
+
+def test_the_public_surface_is_exactly_all() -> None:
+    public = {n for n in dir(tyingspec) if not n.startswith("_")}
+    assert public == set(tyingspec.__all__)
+    for name in tyingspec.__all__:
+        assert getattr(tyingspec, name) is not None
+
+
+def test_every_kind_lists_only_registered_properties() -> None:
+    for spec in KINDS.values():
+        assert set(spec.properties) <= set(PROPERTIES), spec.name
+    from tyingspec._plugin import KINDS as PLUGIN_KINDS  # the plugin's copy, kept stdlib-only
+
+    assert tuple(KINDS) == PLUGIN_KINDS
+
+
+# --- precision ---------------------------------------------------------------------------------
+
+TORCH_ADAPTERS = textwrap.dedent('''
+    import torch
+
+    def _run(E, W, b, tokens, targets, res, s_in, dtype):
+        E_t = torch.tensor(E, dtype=dtype, requires_grad=True)
+        W_t = torch.tensor(W, dtype=dtype, requires_grad=True)
+        b_t = None if b is None else torch.tensor(b, dtype=dtype, requires_grad=True)
+        x = s_in * E_t[torch.as_tensor(tokens).reshape(-1)]
+        h = res * x + torch.tanh(x @ W_t)
+        logits = h @ E_t.T + (0 if b_t is None else b_t)
+        loss = torch.nn.functional.cross_entropy(logits, torch.as_tensor(targets).reshape(-1))
+        loss.backward()
+        return {"loss": loss, "dE": E_t.grad, "dW": W_t.grad,
+                "db": None if b_t is None else b_t.grad}
+
+    def f32(E, W, b, tokens, targets, *, res, s_in):
+        return _run(E, W, b, tokens, targets, res, s_in, torch.float32)
+
+    def f32_upcast(E, W, b, tokens, targets, *, res, s_in):
+        out = _run(E, W, b, tokens, targets, res, s_in, torch.float32)
+        return {k: None if v is None else v.detach().double() for k, v in out.items()}
+
+    def shifted_loss(E, W, b, tokens, targets, *, res, s_in):
+        out = _run(E, W, b, tokens, targets, res, s_in, torch.float64)
+        out["loss"] = out["loss"].detach() + 0.5
+        return out
+''')
+
+
+@pytest.fixture()
+def torch_adapters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    pytest.importorskip("torch", reason="CI installs '.[dev]', which has torch")
+    (tmp_path / "torch_adapters.py").write_text(TORCH_ADAPTERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("torch_adapters", None)
+    return "torch_adapters"
+
+
+def test_a_float32_torch_adapter_passes(torch_adapters: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", f"{torch_adapters}:f32"]) == 0, capsys.readouterr().out
+    assert "judged at float32" in capsys.readouterr().out
+
+
+def test_upcasting_a_float32_result_is_precision_limited_and_passes_at_float32(
+        torch_adapters: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", f"{torch_adapters}:f32_upcast"]) == 1
+    out = capsys.readouterr().out
+    assert "precision_limited" in out and "rerun with --precision float32" in out
+    for label in LABELS:
+        if label.startswith(("input_path", "output_path")):
+            assert f"diagnosis: {label}" not in out, label
+    assert main(["check", f"{torch_adapters}:f32_upcast", "--precision", "float32"]) == 0
+
+
+def test_a_different_forward_is_a_forward_mismatch_not_a_path_bug(
+        torch_adapters: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", f"{torch_adapters}:shifted_loss"]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: wrong (forward_mismatch)" in out
+    assert "your loss differs from the probe model's by 0.5" in out
+
+
+def test_json_reports_each_cases_precision_and_margin(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    out = tmp_path / "r.json"
+    assert main(["check", "tied-float32", "--json", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert {c["precision"] for c in cases} == {"float32"}
+    assert all(0 <= c["margin"] <= 1 for c in cases)
+
+
+@pytest.mark.parametrize("name,label", [("output-path-only", "input_path_missing"),
+                                        ("duplicates-buffered", "duplicates_not_accumulated"),
+                                        ("paths-averaged", "path_scaled"),
+                                        ("padding-row-masked", "input_path_wrong")])
+def test_power_survives_the_float32_bound_at_a_larger_shape(
+        name: str, label: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The README's GPT-2-size figures come from benchmarks/bench_check.py; this is the same
+    # claim at a size a test can afford.
+    argv = ["check", name, "--precision", "float32", "--shape", "2000,64,256",
+            "--shrink-budget", "0"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert f"verdict: wrong ({label})" in out, out[-2000:]
+    assert main(["check", "tied", "--precision", "float32", "--shape", "2000,64,256"]) == 0
+
+
+def test_shape_keeps_each_cases_composition_and_says_what_it_left_out(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "tied", "--shape", "300,8,40"]) == 0
+    out = capsys.readouterr().out
+    assert "left out n-greater-than-v, v-equals-1, v-equals-d" in out
+    assert "case repeated-tokens (V=300 d=8 N=40" in out
+
+
+def test_bfloat16_cases_are_built_in_bfloat16_from_ml_dtypes() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="CI installs '.[dev]'")
+    from dataclasses import replace
+
+    from tyingspec import build
+
+    case = replace(standard_cases(0)[0], dtype="bfloat16")
+    assert build(case).E.dtype == np.dtype(ml_dtypes.bfloat16)

@@ -1,0 +1,314 @@
+"""The engine: observe a target on one case and judge it.  Every front end goes through here.
+
+``tyingspec check``, every property, the pytest plugin and the kill matrix call :func:`observe`
+(or, for a metamorphic property that needs a call on changed inputs, :func:`call`,
+:func:`reference` and :func:`judge`); none of them builds an adapter's inputs, calls it, picks a
+reference or a precision, or sets a tolerance itself.  What differs between adapter kinds lives
+in the table of :mod:`tyingspec._kinds`.
+
+One observation:
+
+1. build the case's arrays (in the declared precision, when one is declared);
+2. hand the kind's inputs to the adapter (copies) and validate what it returned;
+3. build the float64 reference for those inputs (sympy on small shapes, closed form beyond);
+4. decide the precision it is judged at (declared, or the least precise float it returned);
+5. judge: the loss first (a different forward cannot be judged against this reference), then
+   every row of dE against its rounding bound, then dW and db; a verdict that holds only at
+   the next lower precision is ``precision_limited``, not a path bug;
+6. call again, as the kind says: a model after one SGD step with the dE it returned (on the
+   first ``SECOND_CALL_POSITIONS`` positions), a kernel on the same inputs.  A tie that is a
+   copy, or a gradient buffer never zeroed, is right on the first call and wrong from the
+   second on, and is named as such (``tie_is_a_copy``, ``gradient_not_zeroed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal, get_args
+
+import numpy as np
+
+from ._adapters import AdapterError, Returned, resolve, signature_problem
+from ._cases import Batch, Case, build, sgd_step
+from ._diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
+from ._kinds import KINDS, Kind, KindSpec, kind_spec
+from ._probe import Paths, closed_form_paths
+from ._tolerance import (
+    LOWER,
+    Precision,
+    Terms,
+    Tolerance,
+    row_tolerance,
+    value_tolerance,
+)
+
+PrecisionChoice = Literal["auto", "float64", "float32", "bfloat16", "float16"]
+PRECISION_CHOICES: tuple[PrecisionChoice, ...] = get_args(PrecisionChoice)
+Stage = Literal["first call", "after one SGD step"]
+FIRST_CALL: Stage = "first call"
+AFTER_STEP: Stage = "after one SGD step"
+Status = Literal["correct", "no_power", "wrong", "adapter_error"]
+STATUSES: tuple[Status, ...] = get_args(Status)
+
+#: The call after the SGD step sees at most this many positions of the batch: it is there to
+#: catch state kept between calls (a copied tie, an unzeroed buffer), which any batch shows,
+#: and a short one keeps its cost a small part of a check at production sizes.
+SECOND_CALL_POSITIONS = 64
+
+
+@dataclass(frozen=True)
+class Target:
+    """An adapter resolved in this process: its spec, kind, the callable, the precision."""
+
+    spec: str
+    kind: Kind
+    fn: Callable[..., Any]
+    precision: PrecisionChoice = "auto"
+
+    @property
+    def table(self) -> KindSpec:
+        return KINDS[self.kind]
+
+    def __repr__(self) -> str:
+        return f"Target({self.spec!r}, {self.kind!r}, precision={self.precision!r})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # Hypothesis' falsifying example would otherwise list the dataclass field by field.
+        printer.text(repr(self))
+
+
+def load(spec: str, kind: str, precision: PrecisionChoice = "auto") -> Target:
+    """Resolve ``spec`` as an adapter of ``kind``; its signature is compared with the kind's
+    contract before any call, and a mismatch says which kind it looks like."""
+    try:
+        table = kind_spec(kind)
+    except ValueError as exc:
+        raise AdapterError(spec, str(exc)) from None
+    fn = resolve(spec, kind)
+    problem = signature_problem(fn, table.positional, table.keywords)
+    if problem is not None:
+        fits = [k for k, t in KINDS.items()
+                if k != kind and signature_problem(fn, t.positional, t.keywords) is None]
+        hint = (f"; it looks like a {fits[0]} adapter ({KINDS[fits[0]].contract}): "
+                f"rerun with --kind {fits[0]}") if fits else ""
+        raise AdapterError(spec, f"does not match the {kind} contract{hint}",
+                           expected=table.contract, got=problem)
+    return Target(spec, table.name, fn, precision)
+
+
+def declared(target: Target, case: Case) -> Case:
+    """The case in the target's declared precision (arrays are built in it)."""
+    if target.precision == "auto" or case.dtype == target.precision:
+        return case
+    return replace(case, dtype=target.precision)
+
+
+def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
+    """Call the target on a batch's inputs for its kind, any of them replaced."""
+    table = target.table
+    inputs = table.inputs(batch) | overrides
+    return table.invoke(target.spec, target.fn, inputs)
+
+
+def reference(target: Target, batch: Batch, **overrides: Any) -> Paths:
+    """The float64 two-path reference for the inputs :func:`call` hands over."""
+    table = target.table
+    return table.reference(batch, table.inputs(batch) | overrides)
+
+
+def precision_for(target: Target, *returned: Returned) -> Precision:
+    """The precision a comparison is judged at: the declared one, else the least precise float
+    the adapter returned."""
+    if target.precision != "auto":
+        return target.precision
+    order = ("float64", "float32", "float16", "bfloat16")
+    got = [r.precision for r in returned]
+    return max(got, key=order.index) if got else "float64"
+
+
+def row_bound(paths: Paths, precision: Precision) -> Tolerance:
+    """Each row's rounding bound at ``precision`` (see :mod:`tyingspec._tolerance`)."""
+    terms = paths.terms if paths.terms is not None else Terms.from_paths(
+        np.asarray(paths.dE_in, np.float64), np.asarray(paths.dE_out, np.float64))
+    return row_tolerance(terms, precision)
+
+
+def other_checks(returned: Returned, paths: Paths, precision: Precision) -> list[ArrayCheck]:
+    """The loss, dW and db a model returned, against the reference under their bounds."""
+    if returned.loss is None:
+        return []
+    terms = paths.terms or Terms(rows=np.zeros(0), k=1.0)
+    checks = [compare("loss", returned.loss, paths.loss,
+                      value_tolerance(terms, precision, terms.loss or abs(paths.loss)))]
+    if returned.dW is not None:
+        checks.append(compare("dW", returned.dW, paths.dW, value_tolerance(
+            terms, precision, terms.dW if terms.dW is not None else np.abs(paths.dW))))
+    if paths.db is not None and returned.db is not None:
+        checks.append(compare("db", returned.db, paths.db, value_tolerance(
+            terms, precision, terms.db if terms.db is not None else np.abs(paths.db))))
+    return checks
+
+
+def _judge_at(returned: Returned, paths: Paths, precision: Precision) -> Diagnosis:
+    others = other_checks(returned, paths, precision)
+    diag = diagnose(returned.dE, paths, dtype=precision, others=others,
+                    mutated=returned.mutated)
+    loss = next((c for c in others if c.name == "loss"), None)
+    if loss is not None and not loss.ok:
+        # The reference is the probe model's: against another forward no path can be judged.
+        diag = replace(diag, label="forward_mismatch", detail=(
+            f"your loss differs from the probe model's by {loss.max_abs_error:.3g} "
+            f"(reference {paths.loss:.6g}, allowed {loss.tolerance.describe()}); the gradient "
+            "cannot be judged against this reference"))
+    return diag
+
+
+def judge(returned: Returned, paths: Paths, precision: Precision) -> Diagnosis:
+    """The diagnosis of what an adapter returned, judged at ``precision``."""
+    diag = _judge_at(returned, paths, precision)
+    lower = LOWER.get(precision)
+    if diag.wrong and diag.label != "inputs_mutated" and lower is not None:
+        low = _judge_at(returned, paths, lower)
+        # only a lower bound that still has power can vouch for the rows ("no power" there
+        # means every wrong gradient would pass it too)
+        if low.label == "correct":
+            diag = replace(diag, label="precision_limited", detail=(
+                f"every row within the {lower} bound, beyond the {precision} bound (worst row "
+                f"{diag.margin:.3g}x its {precision} bound); rerun with --precision {lower}"))
+    return diag
+
+
+def status_of(diag: Diagnosis) -> Status:
+    if diag.wrong:
+        return "wrong"
+    return "no_power" if diag.label == "no_power" else "correct"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One case observed: the batch, what came back, the reference and the diagnosis."""
+
+    case: Case  # the case as run, tokens and targets spelled out (what a replay needs)
+    batch: Batch
+    returned: Returned
+    paths: Paths
+    precision: Precision
+    diagnosis: Diagnosis
+    stage: Stage = FIRST_CALL
+
+    @property
+    def status(self) -> Status:
+        return status_of(self.diagnosis)
+
+    @property
+    def label(self) -> Label:
+        return self.diagnosis.label
+
+
+def first_call(target: Target, case: Case) -> Observation:
+    """Steps 1-5 of the module docstring: one call, judged."""
+    case = declared(target, case)
+    batch = build(case)
+    returned = call(target, batch)
+    paths = reference(target, batch)
+    precision = precision_for(target, returned)
+    return Observation(case.with_batch(batch.tokens, batch.targets), batch, returned, paths,
+                       precision, judge(returned, paths, precision))
+
+
+#: The last dE each target returned, per shape: a gradient buffer that is never zeroed shows
+#: as "this call's dE = the previous call's + the right one", even across cases.
+_LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Paths]] = {}
+
+
+def _remember(target: Target, obs: Observation) -> Observation:
+    key = (target.spec, target.kind, tuple(obs.returned.dE.shape))
+    previous = _LAST.get(key)
+    _LAST[key] = (np.asarray(obs.returned.dE, dtype=np.float64), obs.paths)
+    if previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated":
+        return obs
+    stale = _stale(obs.diagnosis, previous, obs.returned, obs.paths, obs.precision)
+    return replace(obs, diagnosis=stale)
+
+
+def _stale(diag: Diagnosis, previous: tuple[np.ndarray, Paths], returned: Returned,
+           paths: Paths, precision: Precision) -> Diagnosis:
+    prev, prev_paths = previous
+    t0, t1 = prev_paths.terms, paths.terms
+    if t0 is None or t1 is None or t0.rows.shape != t1.rows.shape:
+        return diag
+    both = Terms(rows=t0.rows + t1.rows, k=max(t0.k, t1.k))
+    actual = np.asarray(returned.dE, dtype=np.float64)
+    if row_tolerance(both, precision).close(actual - prev, paths.dE).all():
+        return replace(diag, label="gradient_not_zeroed", detail=(
+            "this call returned the previous call's dE plus its own: the gradient buffer is "
+            "accumulated into and never zeroed between calls"))
+    return diag
+
+
+def observe(target: Target, case: Case, *, step: bool = True) -> Observation:
+    """Observe ``target`` on ``case``: the first call and the kind's second call (after one SGD
+    step, or a repeat); returns the observation that decides the verdict (the second call's
+    when it reveals a bug the first did not)."""
+    first = _remember(target, first_call(target, case))
+    if not step or first.diagnosis.wrong:
+        return first
+    lr = 0.0
+    batch = first.batch
+    if target.table.second_call == "sgd_step":
+        moved = sgd_step(first.batch, first.returned.dE)
+        if moved is None:
+            return first
+        stepped, lr = moved
+        keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
+        batch = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
+    returned = call(target, batch)
+    paths = first.paths if batch is first.batch else reference(target, batch)
+    precision = precision_for(target, returned)
+    second = _remember(target, Observation(first.case, batch, returned, paths, precision,
+                                           judge(returned, paths, precision), AFTER_STEP))
+    if not second.diagnosis.wrong:
+        return first
+    if lr and second.label not in ("gradient_not_zeroed", "inputs_mutated"):
+        second = replace(second, diagnosis=_copied_tie(second.diagnosis, first, batch, lr,
+                                                       returned, precision))
+    return second
+
+
+def _copied_tie(diag: Diagnosis, first: Observation, short: Batch, lr: float,
+                returned: Returned, precision: Precision) -> Diagnosis:
+    """Right at E and wrong after the step: is it a tie that is two tensors?"""
+    actual = np.asarray(returned.dE, dtype=np.float64)
+    b0 = first.batch
+    # A copied tie: the head U started equal to E and took the step with its own (output
+    # path) gradient only; the lookup copy took the whole one.
+    E0 = b0.E.astype(np.float64)
+    U1 = (E0 - lr * np.asarray(first.paths.dE_out, np.float64)).astype(b0.E.dtype)
+    untied = closed_form_paths(short.E.astype(np.float64), b0.W.astype(np.float64),
+                               None if b0.b is None else b0.b.astype(np.float64), short.tokens,
+                               short.targets, short.res, short.s_in,
+                               E_out=U1.astype(np.float64))
+    if row_bound(untied, precision).close(actual, untied.dE).all():
+        return replace(diag, label="tie_is_a_copy", detail=(
+            f"the first call was right; after E <- E - {lr:.3g} dE the gradient equals that of "
+            "an untied model whose head took only the output path's step: the two uses are two "
+            "tensors that started equal"))
+    return diag
+
+
+def agree(name: str, actual: Any, expected: Any, paths: Paths, precision: Precision,
+          factor: float = 1.0) -> np.ndarray:
+    """Entrywise agreement of two results of the same quantity (``dE``, ``loss``, ``dW`` or
+    ``db``), under that quantity's rounding bound on ``paths`` times ``factor`` (a sum of
+    ``factor`` such results): how a metamorphic property compares two calls."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    if name == "dE":
+        tol = row_bound(paths, precision)
+    else:
+        terms = paths.terms or Terms(rows=np.zeros(0), k=1.0)
+        mag = {"loss": terms.loss or abs(paths.loss), "dW": terms.dW, "db": terms.db}[name]
+        tol = value_tolerance(terms, precision, np.abs(e) if mag is None else mag)
+    atol = np.asarray(tol.atol) * factor
+    return np.asarray(np.abs(a - e) <= atol + tol.rtol * np.abs(e))

@@ -1,0 +1,102 @@
+"""The adapter kinds: one entry per kind, and nothing else knows how a kind is called.
+
+An entry says what a kind's adapter looks like (its contract and parameter names, used to spot
+a target of the wrong kind before the first call), which arrays it is handed for a batch, how it
+is called and its outputs validated, which reference it is judged against, whether it is called
+a second time after an SGD step, and which properties apply to it.  The engine
+(:mod:`tyingspec._engine`), ``tyingspec check``, the properties, the pytest plugin and the kill
+matrix all go through this table: a new kind is a new entry here, its adapter module and its
+tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from ._adapters import Returned, call_kernel, call_model
+from ._cases import Batch, kernel_inputs, model_reference
+from ._probe import Paths
+
+Kind = Literal["model", "kernel"]
+#: ``sgd_step``: again after E moved by one SGD step along the dE it returned (a model: a copied
+#: tie shows here); ``repeat``: again on the same inputs (a kernel: a stale workspace shows).
+SecondCall = Literal["sgd_step", "repeat"]
+KIND_NAMES: tuple[Kind, ...] = get_args(Kind)
+
+Inputs = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """One adapter kind."""
+
+    name: Kind
+    contract: str  # the signature a person reads
+    positional: tuple[str, ...]  # parameters a matching adapter accepts positionally
+    keywords: tuple[str, ...]  # keyword-only parameters it must accept
+    inputs: Callable[[Batch], Inputs]  # the arrays handed to the adapter for a batch
+    invoke: Callable[[str, Callable[..., Any], Inputs], Returned]  # call and validate
+    reference: Callable[[Batch, Inputs], Paths]  # float64 two-path reference for those inputs
+    second_call: SecondCall  # how it is called a second time (see the engine)
+    properties: tuple[str, ...]  # the properties that apply, in the order they are listed
+
+
+def _model_inputs(batch: Batch) -> Inputs:
+    return {"E": batch.E, "W": batch.W, "b": batch.b, "tokens": batch.tokens,
+            "targets": batch.targets, "res": batch.res, "s_in": batch.s_in}
+
+
+def _model_reference(batch: Batch, inputs: Inputs) -> Paths:
+    same = inputs["E"] is batch.E and inputs["tokens"] is batch.tokens and \
+        inputs["targets"] is batch.targets and inputs["b"] is batch.b
+    if same:
+        return model_reference(batch)
+    from dataclasses import replace
+
+    return model_reference(replace(batch, E=inputs["E"], b=inputs["b"],
+                                   tokens=inputs["tokens"], targets=inputs["targets"]))
+
+
+def _kernel_inputs(batch: Batch) -> Inputs:
+    parts, _ = kernel_inputs(batch)
+    return {"tokens": batch.tokens, "dx": parts.input_rows, "h": parts.h, "g": parts.g,
+            "vocab_size": batch.E.shape[0]}
+
+
+def _kernel_reference(batch: Batch, inputs: Inputs) -> Paths:
+    from ._cases import kernel_paths
+
+    return kernel_paths(inputs["tokens"], inputs["dx"], inputs["h"], inputs["g"],
+                        inputs["vocab_size"])
+
+
+KINDS: dict[Kind, KindSpec] = {
+    "model": KindSpec(
+        name="model",
+        contract="f(E, W, b, tokens, targets, *, res, s_in) -> {'loss', 'dE', 'dW', 'db'}",
+        positional=("E", "W", "b", "tokens", "targets"), keywords=("res", "s_in"),
+        inputs=_model_inputs, invoke=call_model, reference=_model_reference, second_call="sgd_step",
+        properties=("sum_of_paths", "absent_rows_are_output_path", "repeated_tokens_accumulate",
+                    "relabelling_permutes_rows", "micro_batches_accumulate",
+                    "loss_dW_db_right", "inputs_untouched", "same_call_same_gradient",
+                    "tie_survives_a_step")),
+    "kernel": KindSpec(
+        name="kernel", contract="f(tokens, dx, h, g, vocab_size) -> dE",
+        positional=("tokens", "dx", "h", "g", "vocab_size"), keywords=(),
+        inputs=_kernel_inputs, invoke=call_kernel, reference=_kernel_reference,
+        second_call="repeat",
+        properties=("sum_of_paths", "absent_rows_are_output_path", "repeated_tokens_accumulate",
+                    "relabelling_permutes_rows", "micro_batches_accumulate",
+                    "inputs_untouched", "same_call_same_gradient", "linear_in_dx",
+                    "linear_in_g")),
+}
+
+
+def kind_spec(name: str) -> KindSpec:
+    """The table entry of ``name``; ValueError naming the known kinds otherwise."""
+    try:
+        return KINDS[name]  # type: ignore[index]
+    except KeyError:
+        raise ValueError(f"unknown kind {name!r}; expected one of {', '.join(KINDS)}") from None

@@ -1,0 +1,62 @@
+"""One way to show a diagnosis to a person: used by ``tyingspec check``, every property failure
+and the pytest plugin.  The diagnosis comes first, the rows next, the raw numbers last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ._cases import Case
+from ._diagnosis import Diagnosis
+
+
+def rows_text(rows: Iterable[Any], limit: int = 16) -> str:
+    """``[3, 7, 9]``, cut to ``limit`` entries with ``...`` and the count."""
+    rows = [int(r) for r in rows]
+    more = f", ... ({len(rows)} rows)" if len(rows) > limit else ""
+    return "[" + ", ".join(map(str, rows[:limit])) + more + "]"
+
+
+def exact_cell(d: Diagnosis) -> str:
+    """'64 of 64', '56 of 64 (87.5%)' or '0': the form of the write-up's table."""
+    if d.rows_exact == 0:
+        return "0"
+    if d.rows_exact == d.rows_total:
+        return f"{d.rows_exact} of {d.rows_total}"
+    return f"{d.rows_exact} of {d.rows_total} ({100.0 * d.rows_exact / d.rows_total:.1f}%)"
+
+
+def power_text(d: Diagnosis) -> str:
+    def yn(v: bool | None) -> str:
+        return "n/a" if v is None else ("yes" if v else "NO")
+
+    p = d.power
+    return (f"power: input path {yn(p.input_path)}, output path {yn(p.output_path)}, "
+            f"duplicates {yn(p.duplicates)}")
+
+
+def diagnosis_lines(d: Diagnosis, *, stage: str = "first call",
+                    mutated: tuple[str, ...] = (), indent: str = "  ") -> list[str]:
+    """The diagnosis block: label and sentence, other outputs, rows, causes, power, numbers."""
+    when = "" if stage == "first call" else f" ({stage} of E with the returned dE)"
+    lines = [f"diagnosis{when}: {d.label}: {d.headline()}"]
+    lines += [o.describe() for o in d.others if not o.ok]
+    if mutated:
+        lines.append(f"the adapter modified its inputs: {', '.join(mutated)}")
+    lines.append(f"rows: {d.rows_wrong} wrong, {exact_cell(d)} exactly right"
+                 + (f"; wrong rows {rows_text(d.wrong_rows)}" if d.wrong_rows else ""))
+    lines += [f"  {cause}: rows {rows_text(rows)}" for cause, rows in d.row_causes.items()]
+    lines.append(power_text(d))
+    lines.append(f"judged at {d.precision}: worst row {d.margin:.3g}x its rounding bound; max "
+                 f"abs error {d.max_abs_error:.3g}, max rel error {d.max_rel_error:.3g} under "
+                 f"{d.tolerance.describe()}")
+    return [indent + line for line in lines]
+
+
+def batch_lines(case: Case, indent: str = "  ") -> list[str]:
+    """A batch as it replays: shapes and settings, composition, explicit tokens and targets."""
+    tokens = "" if case.tokens is None else f" tokens={list(case.tokens)}"
+    targets = "" if case.targets is None else f" targets={list(case.targets)}"
+    return [f"{indent}{case.describe()}",
+            f"{indent}composition={case.composition}{tokens}{targets}"]
