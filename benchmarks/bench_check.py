@@ -20,11 +20,18 @@ It prints min/median/max of each, median(b)/median(a), and median(b) - median(S)
 Part 2 (verdicts): each broken torch variant, the correct one and the float64-returning one,
 checked at the same shape on the case that exposes its bug; prints the JSON's verdict, label,
 precision and margin next to the label expected.
+
+Cost: at V=2000 d=64 N=256 the whole run takes about 30 s.  At the default (GPT-2) size each
+check subprocess took 40-240 s on a 2-core machine, so the whole run took 36 minutes; most of a
+check there is tyingspec's float64 reference, whose matmuls run over a softmax gradient that is
+18% float64 subnormals (E is drawn N(0, 1), so the logits of a row span ~900).  Use
+``--repeats 1`` or ``--skip-verdicts`` to shorten it.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shutil
 import statistics
@@ -105,8 +112,8 @@ def timed(f: Callable[[], object]) -> float:
 
 
 def spread(xs: Sequence[float]) -> str:
-    return (f"min {min(xs):8.2f} s  median {statistics.median(xs):8.2f} s  "
-            f"max {max(xs):8.2f} s")
+    return (f"min {min(xs):8.3f} s  median {statistics.median(xs):8.3f} s  "
+            f"max {max(xs):8.3f} s")
 
 
 def case_summary(run: Run) -> str:
@@ -214,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--skip-verdicts", action="store_true")
     a = ap.parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)  # progress shows when redirected to a file
     shape = (a.V, a.d, a.N)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:

@@ -89,12 +89,17 @@ def _run(E: np.ndarray, W: np.ndarray, b: np.ndarray | None, tokens: np.ndarray,
     assert E_t is not None and W_t is not None
     tok = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(-1))
     tgt = torch.as_tensor(np.asarray(targets, dtype=np.int64).reshape(-1))
-    lookup: Lookup = ((lambda e, t: e[t]) if mode is None
-                      else (lambda e, t: _BrokenLookup.apply(e, t, mode)))
+
+    def lookup(e: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if mode is None:
+            return e[t]
+        rows: torch.Tensor = _BrokenLookup.apply(e, t, mode)  # type: ignore[no-untyped-call]
+        return rows
+
     U = _leaf(E) if untied else E_t
     assert U is not None
     loss = _loss(E_t, U, W_t, b_t, tok, tgt, float(res), float(s_in), lookup)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     dE = U.grad if untied else E_t.grad
     return {"loss": float(loss.item()), "dE": dE, "dW": W_t.grad,
             "db": None if b_t is None else b_t.grad}
