@@ -96,20 +96,12 @@ def test_kernel_adapter_wrong_shape_names_the_kernel_contract() -> None:
                      "g": np.zeros((5, 6)), "vocab_size": 6})
 
 
-def test_a_kernel_adapter_checked_as_a_model_is_told_which_kind_it_looks_like() -> None:
-    def combine(tokens, dx, h, g, vocab_size):  # type: ignore[no-untyped-def]
-        return g.T @ h
-
-    import types as _t
-
-    mod = _t.ModuleType("tyingspec_kind_probe")
-    mod.combine = combine  # type: ignore[attr-defined]
-    sys.modules["tyingspec_kind_probe"] = mod
-    try:
-        with pytest.raises(AdapterError) as info:
-            load("tyingspec_kind_probe:combine", "model")
-    finally:
-        del sys.modules["tyingspec_kind_probe"]
+def test_a_kernel_adapter_checked_as_a_model_is_told_which_kind_it_looks_like(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "kind_probe.py").write_text("def combine(tokens, dx, h, g, vocab_size):\n"
+                                            "    return g.T @ h\n")
+    with pytest.raises(AdapterError) as info:
+        load("kind_probe:combine", "model", paths=(str(tmp_path),))
     msg = str(info.value)
     assert "does not match the model contract" in msg and "--kind kernel" in msg, msg
     assert "f(E, W, b, tokens, targets, *, res, s_in)" in msg, msg

@@ -44,6 +44,15 @@ class AdapterError(Exception):
             msg += f", got {got}"
         super().__init__(msg)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # crosses the worker's pipe: rebuild from the fields, not from the message
+        return (_adapter_error, (self.adapter, self.problem, self.key, self.expected, self.got))
+
+
+def _adapter_error(adapter: str, problem: str, key: str | None, expected: str | None,
+                   got: str | None) -> AdapterError:
+    return AdapterError(adapter, problem, key=key, expected=expected, got=got)
+
 
 def resolve(spec: str, kind: str) -> Callable[..., Any]:
     """Turn a target spec (built-in name or ``module:attr``) into a callable of ``kind``."""
@@ -153,8 +162,16 @@ def _copies(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 def _mutated(inputs: Mapping[str, Any], copies: Mapping[str, Any]) -> tuple[str, ...]:
     # Bitwise comparison on purpose: any write into an input is a mutation, even of equal value.
+    def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        a, b = np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1)
+        word = next(w for w in (8, 4, 2, 1) if a.nbytes % w == 0)  # widest view that fits
+        view = np.dtype(f"u{word}")
+        return bool(np.array_equal(a.view(np.uint8).view(view), b.view(np.uint8).view(view)))
+
     return tuple(k for k, orig in inputs.items() if isinstance(orig, np.ndarray)
-                 and not np.array_equal(orig, copies[k], equal_nan=True))
+                 and not same_bits(orig, copies[k]))
 
 
 def _returned_dtype(value: Any) -> Any:

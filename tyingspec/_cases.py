@@ -153,6 +153,11 @@ def standard_cases(seed: int) -> list[Case]:
     return [Case(name=name, seed=case_seed(seed, name), **kw) for name, kw in specs]  # type: ignore[arg-type]
 
 
+#: E's scale in ``--shape`` cases: GPT-2's initialisation.  The small cases draw E ~ N(0, 1),
+#: which at d = 768 puts logits in the hundreds: a softmax no trained or fresh model has, whose
+#: subnormal gradients slow the reference tenfold and whose rounding hides real bugs.
+SHAPE_E_SCALE = 0.02
+
 #: Standard cases whose point is their shape: ``--shape`` leaves them out.
 SHAPE_CASES = ("n-greater-than-v", "v-equals-1", "v-equals-d")
 
@@ -166,15 +171,33 @@ def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], lis
         if c.name in SHAPE_CASES or (c.composition == "distinct" and N > V):
             left_out.append(c.name)
             continue
-        kept.append(replace(c, V=V, d=d, N=N, tokens=None, targets=None))
+        kept.append(replace(c, V=V, d=d, N=N, tokens=None, targets=None,
+                            e_scale=SHAPE_E_SCALE))
     return kept, left_out
 
 
-def closed_form(batch: Batch) -> Paths:
-    """The float64 closed-form reference paths of a batch (whatever dtype its arrays are)."""
-    return closed_form_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
-                             None if batch.b is None else batch.b.astype(np.float64),
+def closed_form(batch: Batch, dtype: str = "float64") -> Paths:
+    """The closed-form reference paths of a batch, computed in ``dtype`` (float64 unless the
+    engine says a float32 reference is enough; see :func:`working_dtype`)."""
+    def cast(a: Array) -> Array:
+        out: Array = a.astype(dtype, copy=False)
+        return out
+
+    return closed_form_paths(cast(batch.E), cast(batch.W),
+                             None if batch.b is None else cast(batch.b),
                              batch.tokens, batch.targets, batch.res, batch.s_in)
+
+
+#: Above this many multiply-adds in one product (V*d*N), a reference for a check judged at
+#: float32 or below is computed in float32: its rounding is the second of the two unit
+#: roundoffs the bound allows (C = 2 in _tolerance), and a float64 reference would cost
+#: several times the implementation it checks.  Smaller shapes always use float64.
+FLOAT32_REFERENCE_ABOVE = 2**24
+
+
+def working_dtype(size: int, precision: str) -> str:
+    """The dtype the reference is computed in for a product of ``size`` multiply-adds."""
+    return "float32" if precision != "float64" and size > FLOAT32_REFERENCE_ABOVE else "float64"
 
 
 #: The SGD step ``tyingspec check`` and ``tie_survives_a_step`` take: the entry of E with the
@@ -185,12 +208,15 @@ SGD_STEP = 0.1
 def sgd_step(batch: Batch, dE: Array, step: float = SGD_STEP) -> tuple[Batch, float] | None:
     """The batch at ``E - lr * dE`` (W and b kept), with ``lr`` chosen so the largest entry of
     E moves by ``step``; None when ``dE`` is zero and the step would not move E."""
-    dE = np.asarray(dE, dtype=np.float64)
+    dE = np.asarray(dE)
     peak = float(np.max(np.abs(dE))) if dE.size else 0.0
     if peak == 0.0:
         return None
     lr = step / peak
-    E1 = (batch.E.astype(np.float64) - lr * dE).astype(batch.E.dtype)
+    # in E's own precision, as an optimizer steps it (a float64 copy of a GPT-2-size E costs
+    # seconds)
+    dt = batch.E.dtype
+    E1 = (batch.E - np.asarray(lr, dtype=dt) * dE.astype(dt, copy=False)).astype(dt, copy=False)
     return replace(batch, E=E1), lr
 
 
@@ -200,11 +226,12 @@ def sgd_step(batch: Batch, dE: Array, step: float = SGD_STEP) -> tuple[Batch, fl
 SYMBOLIC_ENTRIES = 6
 
 
-def model_reference(batch: Batch) -> Paths:
-    """The reference a model is judged against: sympy-derived paths on small shapes, the closed
-    form beyond them (always float64)."""
+def model_reference(batch: Batch, precision: str = "float64") -> Paths:
+    """The reference a model is judged against at ``precision``: sympy-derived paths on small
+    shapes, the closed form beyond them (float64, or float32 at large shapes judged at float32
+    or below)."""
     if batch.E.size > SYMBOLIC_ENTRIES:
-        return closed_form(batch)
+        return closed_form(batch, working_dtype(batch.E.size * batch.tokens.shape[0], precision))
     from ._symbolic import symbolic_paths
 
     return symbolic_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
@@ -212,11 +239,14 @@ def model_reference(batch: Batch) -> Paths:
                           batch.tokens, batch.targets, batch.res, batch.s_in)
 
 
-def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int) -> Paths:
-    """The float64 reference of a kernel on the inputs it was handed."""
-    rows = np.asarray(dx, dtype=np.float64)
+def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
+                 precision: str = "float64") -> Paths:
+    """The reference of a kernel on the inputs it was handed (float64, or float32 at large
+    shapes judged at float32 or below)."""
+    dt = working_dtype(V * h.shape[1] * tokens.shape[0], precision)
+    rows = np.asarray(dx, dtype=dt)
     return Paths(loss=0.0, dE_in=scatter_rows(tokens, rows, V),
-                 dE_out=np.asarray(g, dtype=np.float64).T @ np.asarray(h, dtype=np.float64),
+                 dE_out=np.asarray(g, dtype=dt).T @ np.asarray(h, dtype=dt),
                  dW=np.zeros((0, 0)), db=None, per_position=rows, tokens=tokens,
                  terms=kernel_terms(tokens, dx, h, g, V))
 

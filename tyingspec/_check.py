@@ -23,6 +23,7 @@ from ._engine import (
     load,
     observe,
 )
+from ._isolation import DEFAULT_TIMEOUT
 
 #: Seconds a failing case may spend shrinking its batch (each try is one more check).
 SHRINK_BUDGET = 5.0
@@ -161,18 +162,23 @@ class CheckReport:
 
 def check_target(spec: str, kind: str, seed: int, cases: list[Case], *,
                  precision: PrecisionChoice = "auto", shrink_budget: float = SHRINK_BUDGET,
-                 on_result: Any = None) -> CheckReport:
+                 on_result: Any = None, timeout: float = DEFAULT_TIMEOUT,
+                 paths: tuple[str, ...] = ()) -> CheckReport:
     """Resolve ``spec`` and run it on every case; adapter errors are recorded, the run goes on.
-    ``on_result(result)`` is called as each case finishes (progress lines)."""
+    A ``module:attr`` target runs in a worker process (``paths`` first on its ``sys.path``,
+    ``timeout`` seconds per call).  ``on_result(result)`` is called as each case finishes."""
     report = CheckReport(spec, kind, seed, precision=precision)
     try:
-        target = load(spec, kind, precision)
+        target = load(spec, kind, precision, timeout=timeout, paths=paths)
     except AdapterError as exc:
         report.load_error = str(exc)
         return report
-    for case in cases:
-        result = run_case(target, case, seed, shrink_budget=shrink_budget)
-        report.results.append(result)
-        if on_result is not None:
-            on_result(result)
+    try:
+        for case in cases:
+            result = run_case(target, case, seed, shrink_budget=shrink_budget)
+            report.results.append(result)
+            if on_result is not None:
+                on_result(result)
+    finally:
+        target.close()
     return report

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ._options import int_list, seed, shape, shrink_budget
+from ._options import int_list, positive_seconds, seed, shape, shrink_budget
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
 
@@ -32,6 +32,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--shape", type=shape, metavar="V,d,N",
                    help="run every case at this vocabulary, width and batch length, keeping "
                         "its composition (the cases defined by their shape are left out)")
+    p.add_argument("--timeout", type=positive_seconds, default=120.0, metavar="SECONDS",
+                   help="seconds one call of the target may take before it is ended as an "
+                        "adapter error (default 120); the remaining cases still run")
     p.add_argument("--shrink-budget", type=shrink_budget, default=5.0, metavar="SECONDS",
                    help="seconds a failing case may spend shrinking its batch (default 5; "
                         "0 turns shrinking off)")
@@ -94,7 +97,7 @@ def _list() -> int:
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._cases import standard_cases
     from ._check import check_target
-    from ._report import as_json, render, write_json
+    from ._report import as_json, write_json
 
     if args.list:
         return _list()
@@ -111,9 +114,6 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                    "results": {n: r.as_dict() for n, r in demo.results.items()}})
         return EXIT_OK if demo.as_expected else EXIT_WRONG
 
-    # Like `python -m` and uvicorn: a `module:attr` target is looked up from the current directory.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     cases = standard_cases(args.seed)
     notes: list[str] = []
     if args.shape is not None:
@@ -145,10 +145,21 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                               np.asarray(args.targets))]
     if args.update_baseline and not args.baseline:
         parser.error("--update-baseline needs --baseline FILE")
+    from ._report import render_case, render_head, render_verdict
+
+    # Each case is printed as soon as it is known: a job killed for time still shows what
+    # finished.
+    print(render_head(args.target, args.kind, args.seed, args.precision, notes), flush=True)
+    # Like `python -m` and uvicorn: a `module:attr` target is looked up from the current
+    # directory, in the worker process that imports it (tyingspec's own imports never are).
     report = check_target(args.target, args.kind, args.seed, cases, precision=args.precision,
-                          shrink_budget=args.shrink_budget)
+                          shrink_budget=args.shrink_budget, timeout=args.timeout,
+                          paths=(os.getcwd(),),
+                          on_result=lambda r: print("\n".join(render_case(r)), flush=True))
     report.notes = notes
-    print(render(report))
+    if report.load_error:
+        print(f"error: {report.load_error}")
+    print(render_verdict(report), flush=True)
     code = report.exit_code
     if args.baseline:
         from ._baseline import apply_check_baseline
@@ -162,6 +173,10 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tyingspec`` console script."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():  # a crash in tyingspec itself still prints where it was
+        faulthandler.enable()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "check":

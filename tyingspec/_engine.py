@@ -32,6 +32,7 @@ import numpy as np
 from ._adapters import AdapterError, Returned, resolve, signature_problem
 from ._cases import Batch, Case, build, sgd_step
 from ._diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
+from ._isolation import DEFAULT_TIMEOUT, Worker
 from ._kinds import KINDS, Kind, KindSpec, kind_spec
 from ._probe import Paths, closed_form_paths
 from ._tolerance import (
@@ -65,6 +66,12 @@ class Target:
     kind: Kind
     fn: Callable[..., Any]
     precision: PrecisionChoice = "auto"
+    worker: Worker | None = None  # a module:attr target runs in its own process
+
+    def close(self) -> None:
+        """Stop the target's worker process, if it has one."""
+        if self.worker is not None:
+            self.worker.stop()
 
     @property
     def table(self) -> KindSpec:
@@ -78,23 +85,42 @@ class Target:
         printer.text(repr(self))
 
 
-def load(spec: str, kind: str, precision: PrecisionChoice = "auto") -> Target:
+def _remote(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("this target runs in its worker process: use tyingspec's engine.call")
+
+
+def load(spec: str, kind: str, precision: PrecisionChoice = "auto", *,
+         isolate: bool = True, timeout: float = DEFAULT_TIMEOUT,
+         paths: tuple[str, ...] = ()) -> Target:
     """Resolve ``spec`` as an adapter of ``kind``; its signature is compared with the kind's
-    contract before any call, and a mismatch says which kind it looks like."""
+    contract before any call, and a mismatch says which kind it looks like.
+
+    A ``module:attr`` target is imported and called in a worker process (``isolate``), with
+    ``paths`` put first on its ``sys.path`` and each call limited to ``timeout`` seconds;
+    built-in targets run in-process.  Call :meth:`Target.close` when done."""
     try:
         table = kind_spec(kind)
     except ValueError as exc:
         raise AdapterError(spec, str(exc)) from None
-    fn = resolve(spec, kind)
-    problem = signature_problem(fn, table.positional, table.keywords)
-    if problem is not None:
+    worker: Worker | None = None
+    if isolate and ":" in spec:
+        worker = Worker(spec, table.name, timeout, paths)
+        worker.start()
+        fn: Callable[..., Any] = _remote
+        problem, fits = worker.signature_problem, worker.fits
+    else:
+        fn = resolve(spec, kind)
+        problem = signature_problem(fn, table.positional, table.keywords)
         fits = [k for k, t in KINDS.items()
                 if k != kind and signature_problem(fn, t.positional, t.keywords) is None]
-        hint = (f"; it looks like a {fits[0]} adapter ({KINDS[fits[0]].contract}): "
+    if problem is not None:
+        if worker is not None:
+            worker.stop()
+        hint = (f"; it looks like a {fits[0]} adapter ({kind_spec(fits[0]).contract}): "
                 f"rerun with --kind {fits[0]}") if fits else ""
         raise AdapterError(spec, f"does not match the {kind} contract{hint}",
                            expected=table.contract, got=problem)
-    return Target(spec, table.name, fn, precision)
+    return Target(spec, table.name, fn, precision, worker)
 
 
 def declared(target: Target, case: Case) -> Case:
@@ -108,13 +134,19 @@ def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
     """Call the target on a batch's inputs for its kind, any of them replaced."""
     table = target.table
     inputs = table.inputs(batch) | overrides
+    if target.worker is not None:
+        returned: Returned = target.worker.invoke(inputs)
+        return returned
     return table.invoke(target.spec, target.fn, inputs)
 
 
-def reference(target: Target, batch: Batch, **overrides: Any) -> Paths:
-    """The float64 two-path reference for the inputs :func:`call` hands over."""
+def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
+              **overrides: Any) -> Paths:
+    """The two-path reference for the inputs :func:`call` hands over, for a check judged at
+    ``precision`` (float64 arithmetic, or float32 at large shapes judged at float32 or below;
+    see ``tyingspec._cases.working_dtype``)."""
     table = target.table
-    return table.reference(batch, table.inputs(batch) | overrides)
+    return table.reference(batch, table.inputs(batch) | overrides, precision)
 
 
 def precision_for(target: Target, *returned: Returned) -> Precision:
@@ -211,8 +243,8 @@ def first_call(target: Target, case: Case) -> Observation:
     case = declared(target, case)
     batch = build(case)
     returned = call(target, batch)
-    paths = reference(target, batch)
     precision = precision_for(target, returned)
+    paths = reference(target, batch, precision=precision)
     return Observation(case.with_batch(batch.tokens, batch.targets), batch, returned, paths,
                        precision, judge(returned, paths, precision))
 
@@ -264,8 +296,9 @@ def observe(target: Target, case: Case, *, step: bool = True) -> Observation:
         keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
         batch = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
     returned = call(target, batch)
-    paths = first.paths if batch is first.batch else reference(target, batch)
     precision = precision_for(target, returned)
+    paths = first.paths if batch is first.batch and precision == first.precision else \
+        reference(target, batch, precision=precision)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
                                            judge(returned, paths, precision), AFTER_STEP))
     if not second.diagnosis.wrong:

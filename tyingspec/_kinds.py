@@ -38,7 +38,8 @@ class KindSpec:
     keywords: tuple[str, ...]  # keyword-only parameters it must accept
     inputs: Callable[[Batch], Inputs]  # the arrays handed to the adapter for a batch
     invoke: Callable[[str, Callable[..., Any], Inputs], Returned]  # call and validate
-    reference: Callable[[Batch, Inputs], Paths]  # float64 two-path reference for those inputs
+    # the two-path reference for those inputs, for a check judged at the given precision
+    reference: Callable[[Batch, Inputs, str], Paths]
     second_call: SecondCall  # how it is called a second time (see the engine)
     properties: tuple[str, ...]  # the properties that apply, in the order they are listed
 
@@ -48,15 +49,16 @@ def _model_inputs(batch: Batch) -> Inputs:
             "targets": batch.targets, "res": batch.res, "s_in": batch.s_in}
 
 
-def _model_reference(batch: Batch, inputs: Inputs) -> Paths:
+def _model_reference(batch: Batch, inputs: Inputs, precision: str) -> Paths:
     same = inputs["E"] is batch.E and inputs["tokens"] is batch.tokens and \
         inputs["targets"] is batch.targets and inputs["b"] is batch.b
     if same:
-        return model_reference(batch)
+        return model_reference(batch, precision)
     from dataclasses import replace
 
     return model_reference(replace(batch, E=inputs["E"], b=inputs["b"],
-                                   tokens=inputs["tokens"], targets=inputs["targets"]))
+                                   tokens=inputs["tokens"], targets=inputs["targets"]),
+                           precision)
 
 
 def _kernel_inputs(batch: Batch) -> Inputs:
@@ -65,11 +67,11 @@ def _kernel_inputs(batch: Batch) -> Inputs:
             "vocab_size": batch.E.shape[0]}
 
 
-def _kernel_reference(batch: Batch, inputs: Inputs) -> Paths:
+def _kernel_reference(batch: Batch, inputs: Inputs, precision: str) -> Paths:
     from ._cases import kernel_paths
 
     return kernel_paths(inputs["tokens"], inputs["dx"], inputs["h"], inputs["g"],
-                        inputs["vocab_size"])
+                        inputs["vocab_size"], precision)
 
 
 KINDS: dict[Kind, KindSpec] = {

@@ -61,3 +61,11 @@ def shrink_budget(text: str) -> float:
     if not v >= 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {v}")
     return v
+
+
+def positive_seconds(text: str) -> float:
+    """Seconds, a finite number > 0."""
+    v = shrink_budget(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("expected a number of seconds > 0, got 0")
+    return v

@@ -26,7 +26,6 @@ import inspect
 import os
 import re
 import shlex
-import sys
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from ._options import positive_int
+from ._options import positive_int, positive_seconds
 
 SUITE_PATH = Path(__file__).with_name("_suite.py").resolve()
 SUITE_NODEID = "tyingspec"
@@ -111,6 +110,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="precision to build cases in and judge at: auto (default: the least "
                          "precise float the adapter returns), float64, float32, bfloat16, "
                          "float16")
+    group.addoption("--tyingspec-timeout", metavar="SECONDS", type=positive_seconds,
+                    default=120.0,
+                    help="seconds one call of the adapter may take before it fails the "
+                         "property as an adapter error (default 120)")
     group.addoption("--tyingspec-profile", type=_choice("profile", PROFILES), default=None,
                     help="Hypothesis settings for the property tests: dev (fast), ci "
                          "(derandomized; the default when $CI is set), thorough (hundreds of "
@@ -149,6 +152,8 @@ class Options:
     summary: str | None
     replay: str | None
     precision: str = "auto"
+    timeout: float = 120.0
+    paths: tuple[str, ...] = ()
 
     def command(self, *extra: str) -> str:
         """A pytest command line that reruns the property suite with these options."""
@@ -177,22 +182,21 @@ def _options(config: pytest.Config) -> Options | None:
     return Options(adapter, get("tyingspec_kind"), profile, get("tyingspec_max_examples"),
                    get("tyingspec_baseline"), bool(get("tyingspec_update_baseline")),
                    get("tyingspec_summary"), get("tyingspec_replay"),
-                   get("tyingspec_precision"))
+                   get("tyingspec_precision"), get("tyingspec_timeout"),
+                   _import_paths(config))
 
 
-def _make_importable(config: pytest.Config) -> None:
+def _import_paths(config: pytest.Config) -> tuple[str, ...]:
     # `pytest` (the console script) does not put the current directory on sys.path the way
-    # `python -m pytest` does; an adapter module at the repository root must import either way.
-    for path in (str(config.invocation_params.dir), str(config.rootpath)):
-        if path not in sys.path:
-            sys.path.insert(0, path)
+    # `python -m pytest` does; an adapter module at the repository root must import either way
+    # (in the worker process that imports it).
+    return (str(config.invocation_params.dir), str(config.rootpath))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     opts = _options(config)
     if opts is None:
         return
-    _make_importable(config)
     replay = None
     if opts.replay is not None:
         from ._suite import parse_replay
@@ -220,7 +224,7 @@ class _SuiteModule(pytest.Module):
         assert isinstance(plugin, _Suite)
         opts = plugin.opts
         return build_module(opts.adapter, opts.kind, opts.profile, opts.max_examples,
-                            plugin.replay, opts.precision)
+                            plugin.replay, opts.precision, opts.timeout, opts.paths)
 
     def funcnamefilter(self, name: str) -> bool:
         # Our names, whatever the user's python_functions ini says.
@@ -414,7 +418,8 @@ class _Controller:
         from ._engine import load as load_target
 
         try:
-            load_target(self.opts.adapter, self.opts.kind)
+            load_target(self.opts.adapter, self.opts.kind, timeout=self.opts.timeout,
+                        paths=self.opts.paths).close()
         except AdapterError as exc:
             pytest.exit(f"tyingspec: --tyingspec-adapter={self.opts.adapter} "
                         f"(kind {self.opts.kind}) cannot be used: {exc}", returncode=EXIT_ADAPTER)

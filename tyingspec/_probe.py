@@ -139,34 +139,39 @@ def closed_form_paths(
     )
 
 
-def _output_rows(g: Array, h: Array, targets: IntArray) -> tuple[Array, Array]:
+def _abs_max_rows(a: Array) -> Array:
+    """max_j |a[n, j]| per row, in float64, without a float64 copy of ``a``."""
+    out: Array = np.abs(a).max(axis=1, initial=0.0).astype(np.float64)
+    return out
+
+
+def _output_rows(g: Array, h_inf: Array, targets: IntArray) -> tuple[Array, Array]:
     """sum_n (|g[n, v]| + [y_n = v]/N) max_j |h[n, j]| per row v, and the same weights'
     column sums (the db magnitude)."""
-    n = g.shape[0]
-    h_inf = np.abs(h).max(axis=1, initial=0.0)
-    w = np.abs(g)
+    n, V = g.shape
+    w = np.abs(g)  # in g's own dtype: a float64 copy of [N, V] costs more than the sums
     # the target's probability enters g as p - 1: count it even when g ~ 0 (a fitted batch)
-    tgt = np.bincount(targets, minlength=g.shape[1])[: g.shape[1]] / max(n, 1)
-    tgt_h = np.bincount(targets, weights=h_inf, minlength=g.shape[1])[: g.shape[1]] / max(n, 1)
-    return w.T @ h_inf + tgt_h, w.sum(axis=0) + tgt
+    tgt = np.bincount(targets, minlength=V)[:V] / max(n, 1)
+    tgt_h = np.bincount(targets, weights=h_inf, minlength=V)[:V] / max(n, 1)
+    rows = (w.T @ h_inf.astype(w.dtype)).astype(np.float64) + tgt_h
+    return rows, w.sum(axis=0, dtype=np.float64) + tgt
 
 
 def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: IntArray,
                 targets: IntArray, res: float, s_in: float, p: Parts) -> Terms:
     """Bound terms of the probe model on one batch (see :mod:`tyingspec._tolerance`)."""
-    E64 = np.abs(np.asarray(E_out, dtype=np.float64))
-    V, d = E64.shape
+    E_abs = np.abs(E_out)
+    V, d = E_abs.shape
     n = tokens.shape[0]
-    g = np.asarray(p.g, dtype=np.float64)
-    h = np.asarray(p.h, dtype=np.float64)
-    out_rows, db = _output_rows(g, h, targets)
-    e_max = max(float(E64.max(initial=0.0)), float(np.abs(E_in).max(initial=0.0)))
-    w_inf = float(np.abs(np.asarray(W, dtype=np.float64)).sum(axis=1).max(initial=0.0))
-    m = 2.0 / max(n, 1) * e_max * (abs(res) + w_inf)
-    in_rows = abs(s_in) * m * np.bincount(tokens, minlength=V)[:V]
+    h_inf = _abs_max_rows(p.h)
+    out_rows, db = _output_rows(p.g, h_inf, targets)
+    e_max = max(float(E_abs.max(initial=0.0)), float(np.abs(E_in).max(initial=0.0)))
+    # each occurrence adds its own |s_in dx[n]|: the row's input-path terms
+    dx_inf = abs(s_in) * _abs_max_rows(p.dx)
+    in_rows = np.bincount(tokens, weights=dx_inf, minlength=V)[:V]
     b_max = 0.0 if b is None else float(np.abs(b).max(initial=0.0))
-    h_inf = float(np.abs(h).max(initial=0.0))
-    logit = h_inf * float(E64.sum(axis=1).max(initial=0.0)) + b_max
+    logit = float(h_inf.max(initial=0.0)) * float(
+        E_abs.sum(axis=1, dtype=np.float64).max(initial=0.0)) + b_max
     k = d + n + float(np.sqrt(V)) + logit
     x = np.abs(np.asarray(p.x, dtype=np.float64))
     # |du| plus what it can be whatever cancels inside g @ E (so a dW that is 0 in truth, e.g.
@@ -178,10 +183,8 @@ def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: In
 
 def kernel_terms(tokens: IntArray, dx: Array, h: Array, g: Array, V: int) -> Terms:
     """Bound terms of a kernel call: its inputs are given, only its reductions round."""
-    g64 = np.abs(np.asarray(g, dtype=np.float64))
-    h_inf = np.abs(np.asarray(h, dtype=np.float64)).max(axis=1, initial=0.0)
-    dx_inf = np.abs(np.asarray(dx, dtype=np.float64)).max(axis=1, initial=0.0)
-    rows = g64.T @ h_inf + np.bincount(tokens, weights=dx_inf, minlength=V)[:V]
+    rows, _ = _output_rows(g, _abs_max_rows(h), np.zeros(0, dtype=np.int64))
+    rows = rows + np.bincount(tokens, weights=_abs_max_rows(dx), minlength=V)[:V]
     return Terms(rows=rows, k=float(tokens.shape[0] + np.sqrt(V) + 1))
 
 

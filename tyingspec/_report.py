@@ -46,20 +46,30 @@ def render_case(r: CaseResult) -> list[str]:
     return lines
 
 
-def render(report: CheckReport) -> str:
-    lines = [f"tyingspec check {report.target} --kind {report.kind} --seed {report.seed}"
-             + ("" if report.precision == "auto" else f" --precision {report.precision}")]
-    lines += report.notes
-    if report.load_error:
-        lines.append(f"error: {report.load_error}")
-    for r in report.results:
-        lines += render_case(r)
+def render_head(target: str, kind: str, seed: int, precision: str, notes: list[str]) -> str:
+    """The first lines of a report: what runs, and any note about the cases."""
+    return "\n".join([f"tyingspec check {target} --kind {kind} --seed {seed}"
+                      + ("" if precision == "auto" else f" --precision {precision}"), *notes])
+
+
+def render_verdict(report: CheckReport) -> str:
+    """The last line of a report: the verdict and the tally of cases."""
     counts = {s: sum(r.status == s for r in report.results)
               for s in ("correct", "wrong", "no_power", "adapter_error")}
     label = report.diagnosis_label
     tally = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items() if v)
-    lines.append(f"verdict: {report.verdict}" + (f" ({label})" if label != report.verdict else "")
-                 + (f"; cases: {tally}" if tally else ""))
+    return (f"verdict: {report.verdict}" + (f" ({label})" if label != report.verdict else "")
+            + (f"; cases: {tally}" if tally else ""))
+
+
+def render(report: CheckReport) -> str:
+    lines = [render_head(report.target, report.kind, report.seed, report.precision,
+                         report.notes)]
+    if report.load_error:
+        lines.append(f"error: {report.load_error}")
+    for r in report.results:
+        lines += render_case(r)
+    lines.append(render_verdict(report))
     return "\n".join(lines)
 
 

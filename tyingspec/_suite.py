@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -105,7 +105,7 @@ def _make_test(prop: Property, chosen: settings, replay: Case | None) -> Callabl
 
 def build_module(spec: str, kind: str, profile: str, max_examples: int | None = None,
                  replay: tuple[str, Case] | None = None, precision: str = "auto",
-                 ) -> types.ModuleType:
+                 timeout: float = 120.0, paths: tuple[str, ...] = ()) -> types.ModuleType:
     """A module object holding the session fixture ``tyingspec_target`` and one test per
     property (only the replayed one with ``replay``)."""
     from ._engine import load
@@ -115,10 +115,14 @@ def build_module(spec: str, kind: str, profile: str, max_examples: int | None = 
     module.__file__ = __file__
 
     @pytest.fixture(scope="session", name="tyingspec_target")
-    def tyingspec_target() -> Target:
+    def tyingspec_target() -> Iterator[Target]:
         # Resolved lazily in each process (xdist workers included): only the spec string
         # crosses process boundaries.  An AdapterError here errors every property's setup.
-        return load(spec, kind, precision)  # type: ignore[arg-type]
+        # A module:attr adapter runs in its own worker process (one per xdist worker): its
+        # crash, exit or hang fails the property that called it, not the pytest run.
+        target = load(spec, kind, precision, timeout=timeout, paths=paths)  # type: ignore[arg-type]
+        yield target
+        target.close()
 
     module.tyingspec_target = tyingspec_target  # type: ignore[attr-defined]
     chosen = profile_settings(profile, max_examples, replay=replay is not None)

@@ -122,7 +122,7 @@ class Tolerance:
             atol = f"atol={float(self.atol):.3g}"
         else:
             a = np.asarray(self.atol)
-            atol = f"atol {float(a.min(initial=0.0)):.3g}..{float(a.max(initial=0.0)):.3g}"
+            atol = f"atol {float(a.min()):.3g}..{float(a.max()):.3g}" if a.size else "atol -"
         return f"{atol}, rtol={self.rtol:.3g} ({self.dtype} rounding bound)"
 
 
