@@ -246,7 +246,7 @@ def test_an_unreadable_baseline_is_a_usage_error_before_anything_runs(
     result = run(repo, "--tyingspec-adapter=adapters:correct_kernel", "--tyingspec-kind=kernel",
                  "--tyingspec-baseline=baseline.json")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert "baseline baseline.json: cannot be read as JSON" in result.stderr.str()
+    assert f"baseline {repo.path / 'baseline.json'}: cannot be read as JSON" in result.stderr.str()
 
 
 def test_junitxml_and_the_markdown_summary_work_under_xdist(repo: pytest.Pytester) -> None:

@@ -79,9 +79,14 @@ def resolve(spec: str, kind: str) -> Callable[..., Any]:
                            got=f"{type(exc).__name__}: {exc}") from exc
     obj: Any = module
     for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AdapterError(spec, f"module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AdapterError(spec, f"module {module_name!r} has no attribute {attr!r}"
+                               ) from None
+        except Exception as exc:  # a module __getattr__ can raise anything
+            raise AdapterError(spec, f"looking up {attr!r} in {module_name!r} raised",
+                               got=f"{type(exc).__name__}: {exc}") from exc
     if not callable(obj):
         raise AdapterError(spec, "is not callable", got=type(obj).__name__)
     return obj  # type: ignore[no-any-return]
@@ -178,11 +183,28 @@ def _returned_dtype(value: Any) -> Any:
     return getattr(value, "dtype", None) if not isinstance(value, float) else None
 
 
+def _readable(adapter: str, read: Callable[[], Returned]) -> Returned:
+    """Reading what an adapter returned runs its code too (a mapping's ``__getitem__``, a
+    tensor's ``.numpy``): any failure there is the adapter's, reported as such."""
+    try:
+        return read()
+    except AdapterError:
+        raise
+    except Exception as exc:
+        raise AdapterError(adapter, "returned something that cannot be read",
+                           got=f"{type(exc).__name__}: {exc}") from exc
+
+
 def call_model(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) -> Returned:
     """Call a model adapter on copies of ``inputs`` and validate every returned value."""
     c = _copies(inputs)
     out = _guarded_call(adapter, fn, c["E"], c["W"], c["b"], c["tokens"], c["targets"],
                         res=c["res"], s_in=c["s_in"])
+    return _readable(adapter, lambda: _model_returned(adapter, inputs, c, out))
+
+
+def _model_returned(adapter: str, inputs: Mapping[str, Any], c: Mapping[str, Any],
+                    out: Any) -> Returned:
     mutated = _mutated(inputs, c)
     if not isinstance(out, Mapping):
         raise AdapterError(adapter, "returned a non-mapping",
@@ -191,7 +213,8 @@ def call_model(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) 
     for key in ("loss", "dE", "dW", "db"):
         if key not in out:
             raise AdapterError(adapter, "missing key", key=key,
-                               expected="keys loss, dE, dW, db", got=f"keys {sorted(out)}")
+                               expected="keys loss, dE, dW, db",
+                               got="keys " + ", ".join(sorted(map(repr, out))))
     E, b = inputs["E"], inputs["b"]
     V, d = E.shape
     loss = validate_array(adapter, "loss", out["loss"], None)
@@ -213,8 +236,13 @@ def call_kernel(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any])
     """Call a kernel adapter on copies of ``inputs``; returns the validated dE."""
     c = _copies(inputs)
     out = _guarded_call(adapter, fn, c["tokens"], c["dx"], c["h"], c["g"], c["vocab_size"])
-    dE = validate_array(adapter, "dE", out, (int(inputs["vocab_size"]), inputs["dx"].shape[1]))
-    return Returned(dE, _mutated(inputs, c), least_precise(dE.dtype))
+
+    def read() -> Returned:
+        dE = validate_array(adapter, "dE", out,
+                            (int(inputs["vocab_size"]), inputs["dx"].shape[1]))
+        return Returned(dE, _mutated(inputs, c), least_precise(dE.dtype))
+
+    return _readable(adapter, read)
 
 
 def signature_problem(fn: Callable[..., Any], positional: tuple[str, ...],

@@ -16,11 +16,11 @@ plugin loads it in the controller process.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ._files import atomic_write, create_exclusive
 
 if TYPE_CHECKING:
     from ._check import CheckReport
@@ -128,7 +128,7 @@ def load(path: str, unit: str) -> Baseline | None:
             raw = json.load(fh)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise BaselineError(f"baseline {path}: cannot be read as JSON "
                             f"({type(exc).__name__}: {exc})") from exc
     if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
@@ -145,25 +145,23 @@ def load(path: str, unit: str) -> Baseline | None:
             isinstance(k, str) and v in VERDICTS for k, v in verdicts.items()):
         raise BaselineError(f"baseline {path}: 'verdicts' must map names to one of "
                             f"{', '.join(VERDICTS)}; got {verdicts!r}")
-    details = raw.get("details") or {}
+    details = raw.get("details", {})
+    if not isinstance(details, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in details.items()):
+        raise BaselineError(f"baseline {path}: 'details' must map names to strings; got "
+                            f"{type(details).__name__} {str(details)[:80]!r}")
     return Baseline(unit, str(raw.get("target", "")), str(raw.get("kind", "")),
-                    dict(verdicts), {str(k): str(v) for k, v in dict(details).items()})
+                    dict(verdicts), dict(details))
+
+
+def _text(baseline: Baseline) -> str:
+    return json.dumps(baseline.as_json(), indent=2) + "\n"
 
 
 def save(path: str, baseline: Baseline) -> None:
-    """Write atomically (a crashed run never leaves half a baseline), sorted for clean diffs."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tyingspec-baseline-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(baseline.as_json(), fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write atomically (a crashed run never leaves half a baseline; a symlink keeps pointing
+    at it; the file keeps its mode), sorted for clean diffs."""
+    atomic_write(path, _text(baseline))
 
 
 def compare(before: Baseline, now: Baseline) -> tuple[list[Change], list[Change]]:
@@ -194,8 +192,13 @@ def gate(path: str, now: Baseline, *, update: bool) -> GateResult:
             raise
         before = None
     if before is None:
-        save(path, now)
-        return GateResult(path, "updated" if update else "recorded", now.unit)
+        if update:
+            save(path, now)
+            return GateResult(path, "updated", now.unit)
+        if not create_exclusive(path, _text(now)):
+            # another run recorded it between our read and our write: compare against theirs
+            return gate(path, now, update=False)
+        return GateResult(path, "recorded", now.unit)
     regressions, changes = compare(before, now)
     result = GateResult(path, "updated" if update else "compared", now.unit,
                         regressions, changes)
@@ -250,13 +253,20 @@ def check_verdicts(report: CheckReport, names: Iterable[str] = ()) -> Baseline:
     return Baseline("case", report.target, report.kind, verdicts, details)
 
 
+def _exists(path: str) -> bool:
+    import os
+
+    return os.path.exists(path)
+
+
 def apply_check_baseline(report: CheckReport, path: str, update: bool) -> tuple[int, list[str]]:
     """Gate a ``tyingspec check`` run on a baseline file: returns (exit code, lines to print).
 
     Exit code: the report's own, raised to 1 on a regression; 2 if the baseline is unreadable.
     """
-    if report.load_error and update:
-        return max(report.exit_code, 2), [(f"tyingspec: baseline {path} not updated: the target "
+    if report.load_error and (update or not _exists(path)):
+        what = "updated" if update else "recorded"
+        return max(report.exit_code, 2), [(f"tyingspec: baseline {path} not {what}: the target "
                                           "cannot be loaded, so there are no verdicts to record")]
     try:
         before = None if update else load(path, "case")

@@ -132,7 +132,10 @@ def build(case: Case) -> Batch:
 
 def case_seed(base: int, name: str) -> int:
     """A stable per-case seed from the run's seed and the case name (same on every machine)."""
-    return (base * 1_000_003 + zlib.crc32(name.encode())) % (2**32)
+    value = base * 1_000_003 + zlib.crc32(name.encode())
+    # Below 2**32 the historical 32-bit seeds (every printed replay stays valid); above it every
+    # bit of the user's seed is kept (2**70 must not replay the batches of seed 0).
+    return value % (2**32) if base < 2**32 else value
 
 
 def standard_cases(seed: int) -> list[Case]:

@@ -97,10 +97,30 @@ def _list() -> int:
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._cases import standard_cases
     from ._check import check_target
-    from ._report import as_json, write_json
+    from ._files import OutputError, check_distinct, usable_output
+    from ._report import as_json
 
+    # Every flag that would do nothing here is a usage error, not a silent exit 0.
     if args.list:
+        given = [f for f, v in (("TARGET", args.target), ("--baseline", args.baseline),
+                                ("--json", args.json), ("--case", args.case)) if v is not None]
+        if given:
+            parser.error(f"--list prints the built-ins and cases and runs nothing; it takes no "
+                         f"{', '.join(given)}")
         return _list()
+    if args.update_baseline and args.baseline is None:
+        parser.error("--update-baseline needs --baseline FILE")
+    if args.baseline is not None and args.target is None:
+        parser.error("--baseline gates a TARGET's cases; name the target to check")
+    try:
+        # resolved once, now: an adapter that changes directory cannot move them
+        if args.json is not None:
+            args.json = usable_output("--json", args.json)
+        if args.baseline is not None:
+            args.baseline = usable_output("--baseline", args.baseline)
+        check_distinct({"--baseline": args.baseline, "--json": args.json})
+    except OutputError as exc:
+        parser.error(str(exc))
     if args.target is None:
         if args.case or args.tokens or args.targets:
             parser.error("--case/--tokens/--targets need a TARGET")
@@ -108,11 +128,13 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         demo = run_demo(args.seed)
         print(render_demo(demo))
+        code = EXIT_OK if demo.as_expected else EXIT_WRONG
         if args.json:
-            write_json(args.json, {"schema": "tyingspec.demo/1", "seed": args.seed,
-                                   "as_expected": demo.as_expected,
-                                   "results": {n: r.as_dict() for n, r in demo.results.items()}})
-        return EXIT_OK if demo.as_expected else EXIT_WRONG
+            return _write_report(args.json, {
+                "schema": "tyingspec.demo/1", "seed": args.seed, "exit_code": code,
+                "as_expected": demo.as_expected,
+                "results": {n: r.as_dict() for n, r in demo.results.items()}}, code)
+        return code
 
     cases = standard_cases(args.seed)
     notes: list[str] = []
@@ -143,8 +165,6 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"token ids must be in [0, {V}) for case {cases[0].name}; got {bad}")
         cases = [replace(cases[0]).with_batch(np.asarray(args.tokens),
                                               np.asarray(args.targets))]
-    if args.update_baseline and not args.baseline:
-        parser.error("--update-baseline needs --baseline FILE")
     from ._report import render_case, render_head, render_verdict
 
     # Each case is printed as soon as it is known: a job killed for time still shows what
@@ -161,13 +181,31 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"error: {report.load_error}")
     print(render_verdict(report), flush=True)
     code = report.exit_code
+    baseline: dict[str, object] | None = None
     if args.baseline:
         from ._baseline import apply_check_baseline
 
         code, lines = apply_check_baseline(report, args.baseline, args.update_baseline)
         print("\n".join(lines))
+        baseline = {"path": args.baseline, "exit_code": code, "lines": lines}
     if args.json:
-        write_json(args.json, as_json(report))
+        payload = as_json(report)
+        payload["exit_code"] = code  # the status this command really exits with
+        payload["baseline"] = baseline
+        return _write_report(args.json, payload, code)
+    return code
+
+
+def _write_report(path: str, payload: dict[str, object], code: int) -> int:
+    """Write the JSON report; a failure says so and exits 2 (the printed results stand)."""
+    from ._report import write_json
+
+    try:
+        write_json(path, payload)
+    except OSError as exc:
+        print(f"tyingspec: the JSON report {path} was not written ({type(exc).__name__}: "
+              f"{exc}); the results above stand", file=sys.stderr)
+        return max(code, EXIT_USAGE)
     return code
 
 

@@ -48,7 +48,6 @@ PROP_NAME, PROP_INVARIANT, PROP_VERDICT, PROP_DIAGNOSIS, PROP_DETAIL = (
     "tyingspec_property", "tyingspec_invariant", "tyingspec_verdict", "tyingspec_diagnosis",
     "tyingspec_detail")
 
-_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 # --- option values ---------------------------------------------------------------------------
@@ -56,7 +55,9 @@ _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 def _adapter(text: str) -> str:
     if ":" in text:
         module, _, attr = text.partition(":")
-        if not (_DOTTED.fullmatch(module) and _DOTTED.fullmatch(attr)):
+        dotted = all(p.isidentifier() for p in module.split(".")) and \
+            all(p.isidentifier() for p in attr.split("."))  # Unicode names, as Python allows
+        if not dotted:
             raise argparse.ArgumentTypeError(
                 "expected module:attr with dotted Python names on both sides "
                 f"(e.g. mypkg.grads:tied_model), got {text!r}")
@@ -83,7 +84,7 @@ def _file(text: str) -> str:
         raise argparse.ArgumentTypeError("expected a file path, got an empty string")
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"expected a file path, got the directory {text!r}")
-    return text
+    return os.path.abspath(text)  # resolved once: an adapter's os.chdir cannot move it
 
 
 def _replay(text: str) -> str:
@@ -178,6 +179,14 @@ def _options(config: pytest.Config) -> Options | None:
         return None
     if get("tyingspec_update_baseline") and get("tyingspec_baseline") is None:
         raise pytest.UsageError("--tyingspec-update-baseline needs --tyingspec-baseline=FILE")
+    from ._files import OutputError, check_distinct
+
+    try:
+        check_distinct({"--tyingspec-baseline": get("tyingspec_baseline"),
+                         "--tyingspec-summary": get("tyingspec_summary"),
+                         "--junitxml": get("xmlpath", None)})
+    except OutputError as exc:
+        raise pytest.UsageError(str(exc)) from None
     profile = get("tyingspec_profile") or ("ci" if _in_ci() else "dev")
     return Options(adapter, get("tyingspec_kind"), profile, get("tyingspec_max_examples"),
                    get("tyingspec_baseline"), bool(get("tyingspec_update_baseline")),

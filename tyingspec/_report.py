@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ._check import CaseResult, CheckReport
+from ._files import atomic_write
 from ._render import diagnosis_lines, exact_cell, power_text, rows_text
 
 __all__ = ["SCHEMA", "as_json", "exact_cell", "render", "render_case", "rows_text",
@@ -101,4 +102,5 @@ def as_json(report: CheckReport) -> dict[str, Any]:
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    """Write the report atomically: a failed write leaves any previous report whole."""
+    atomic_write(str(path), json.dumps(payload, indent=2, sort_keys=False) + "\n")
