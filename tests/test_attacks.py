@@ -202,6 +202,7 @@ PLUGIN_ATTACKS = [
 ]
 
 
+@pytest.mark.slow  # 8 pytest sessions: the CI slow tier runs them
 @pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["in-process", "xdist-n2"])
 @pytest.mark.parametrize("argv,words", [a[1:] for a in PLUGIN_ATTACKS],
                          ids=[a[0] for a in PLUGIN_ATTACKS])
