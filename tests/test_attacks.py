@@ -235,3 +235,56 @@ def test_the_plugin_accepts_a_non_ascii_target(repo: Path) -> None:
     (repo / "pädagogik.py").write_text(ADAPTERS)
     out = run_plugin(repo, "--tyingspec-adapter=pädagogik:ok")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_a_failed_report_write_keeps_the_previous_report_and_exits_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    from tyingspec import _files
+    from tyingspec._cli import main
+
+    report = tmp_path / "r.json"
+    assert main(["check", "tied", *ONE, "--json", str(report)]) == 0
+    before = report.read_text()
+
+    def full_disk(src: str, dst: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_files.os, "replace", full_disk)
+    assert main(["check", "tied", *ONE, "--json", str(report)]) == 2
+    err = capsys.readouterr().err
+    assert "was not written" in err and "No space left" in err
+    assert report.read_text() == before  # whole and valid, not half a file
+    json.loads(before)
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary left behind
+
+
+def test_two_first_runs_cannot_both_record_a_baseline(tmp_path: Path) -> None:
+    from tyingspec._baseline import Baseline, gate
+
+    path = str(tmp_path / "b.json")
+    first = Baseline("case", "t", "model", {"a": "passed"})
+    second = Baseline("case", "t", "model", {"a": "failed"})
+    from tyingspec import _files
+
+    assert _files.create_exclusive(path, "{}") is True
+    assert _files.create_exclusive(path, "{}") is False  # the loser sees the winner's file
+    Path(path).unlink()
+    assert gate(path, first, update=False).action == "recorded"
+    result = gate(path, second, update=False)
+    assert result.action == "compared" and result.failed  # compared, never re-recorded
+
+
+def test_a_reader_that_goes_away_never_turns_a_run_into_a_pass(repo: Path) -> None:
+    # `tyingspec check ... | head -1`: the pipe closes after the first line, while the worker
+    # process still starts (so the cases are printed into a closed pipe)
+    proc = subprocess.Popen([str(BIN / "tyingspec"), "check", "adapters:ok"], cwd=repo,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert b"Traceback" not in err

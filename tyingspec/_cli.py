@@ -217,16 +217,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         faulthandler.enable()
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "check":
-        return _check(args, parser)
-    if args.command == "mutants":
-        from ._kill_matrix import run as run_mutants
+    try:
+        if args.command == "check":
+            return _check(args, parser)
+        if args.command == "mutants":
+            from ._kill_matrix import run as run_mutants
 
-        return run_mutants(args)
-    if args.command == "reproduce":
-        from ._reproduce import run
+            return run_mutants(args)
+        if args.command == "reproduce":
+            from ._reproduce import run
 
-        return run(args)
+            return run(args)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop writing.  The run did not finish, so the exit
+        # status must not say it passed.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_USAGE
     parser.print_help()
     return EXIT_USAGE
 
