@@ -177,8 +177,32 @@ def torch_threads() -> int:
     return int(torch.get_num_threads())
 
 
+#: The issue's duplicates claim: one token repeated twice in an otherwise distinct batch.
+TWICE = "absent-tokens+one-token-twice"
+
+
+def twice_args(shape: tuple[int, int, int]) -> list[str]:
+    """``--case absent-tokens --tokens ... --targets ...`` with position 1 repeating position 0:
+    exactly one token seen twice, every other token once."""
+    from dataclasses import replace
+
+    from tyingspec._cases import at_shape, build, standard_cases
+
+    V, d, N = shape
+    base = [c for c in standard_cases(0) if c.name == "absent-tokens"]
+    case = replace(at_shape(base, V, d, N)[0][0], dtype="float32")
+    batch = build(case)
+    tokens = batch.tokens.copy()
+    tokens[1] = tokens[0]
+    return ["--case", "absent-tokens", "--tokens", ",".join(map(str, tokens)),
+            "--targets", ",".join(map(str, batch.targets))]
+
+
 #: (target, precision, case, label expected in the JSON)
 VERDICT_RUNS: list[tuple[str, str, str, str]] = [
+    ("tied_f32", "float32", TWICE, "correct"),
+    ("one_token_twice_not_accumulated", "float32", TWICE,
+     ADAPTERS["one_token_twice_not_accumulated"]),
     ("tied_f32", "float32", "repeated-tokens", "correct"),
     ("input_path_dropped", "float32", "repeated-tokens", ADAPTERS["input_path_dropped"]),
     ("one_token_twice_not_accumulated", "float32", "repeated-tokens",
@@ -199,7 +223,11 @@ def verdicts(shape: tuple[int, int, int], tmp: Path) -> None:
     print(f"\n== verdicts at V={V} d={d} N={N} (--shrink-budget 0)")
     as_expected = 0
     for target, precision, case, expected in VERDICT_RUNS:
-        r = run_cli(check_argv(target, shape, case, precision, tmp / "v.json"), tmp / "v.json")
+        argv = check_argv(target, shape, case.split("+")[0], precision, tmp / "v.json")
+        if case == TWICE:
+            i = argv.index("--case")
+            argv[i:i + 2] = twice_args(shape)
+        r = run_cli(argv, tmp / "v.json")
         got = None if r.report is None else r.report["cases"][0].get("label")
         ok = got == expected
         as_expected += ok

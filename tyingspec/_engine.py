@@ -257,7 +257,8 @@ _LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Paths]] = {}
 def _remember(target: Target, obs: Observation) -> Observation:
     key = (target.spec, target.kind, tuple(obs.returned.dE.shape))
     previous = _LAST.get(key)
-    _LAST[key] = (np.asarray(obs.returned.dE, dtype=np.float64), obs.paths)
+    # a copy in its own dtype (an adapter may reuse its buffer); float64 only if ever compared
+    _LAST[key] = (np.array(obs.returned.dE, copy=True), obs.paths)
     if previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated":
         return obs
     stale = _stale(obs.diagnosis, previous, obs.returned, obs.paths, obs.precision)
@@ -266,7 +267,8 @@ def _remember(target: Target, obs: Observation) -> Observation:
 
 def _stale(diag: Diagnosis, previous: tuple[np.ndarray, Paths], returned: Returned,
            paths: Paths, precision: Precision) -> Diagnosis:
-    prev, prev_paths = previous
+    prev_raw, prev_paths = previous
+    prev = prev_raw.astype(np.float64)
     t0, t1 = prev_paths.terms, paths.terms
     if t0 is None or t1 is None or t0.rows.shape != t1.rows.shape:
         return diag

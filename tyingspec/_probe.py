@@ -86,16 +86,19 @@ def forward_parts(
     u = x @ W
     t = np.tanh(u)
     h = res_c * x + t
-    logits = h @ E_out.T
+    # The softmax in place on one [N, V] buffer: at V = 50257 each extra temporary costs as
+    # much as a matrix product.
+    g = h @ E_out.T
     if b is not None:
-        logits = logits + b
-    shift = logits - logits.max(axis=1, keepdims=True)
-    logz = np.log(np.exp(shift).sum(axis=1, keepdims=True))
-    logp = shift - logz
-    loss = float(-logp[np.arange(n), targets].mean())
-    g = np.exp(logp)
-    g[np.arange(n), targets] -= 1
-    g /= dt.type(n)
+        g += b
+    g -= g.max(axis=1, keepdims=True)  # shifted logits
+    rows = np.arange(n)
+    at_target = g[rows, targets].copy()
+    np.exp(g, out=g)
+    z = g.sum(axis=1, keepdims=True)
+    loss = float((np.log(z[:, 0]) - at_target).mean()) if n else float("nan")
+    g *= (1 / (z * dt.type(n))).astype(dt, copy=False)  # softmax / N
+    g[rows, targets] -= dt.type(1) / dt.type(n)
     dh = g @ E_out
     du = dh * (1 - t * t)
     dx = res_c * dh + du @ W.T
@@ -145,33 +148,74 @@ def _abs_max_rows(a: Array) -> Array:
     return out
 
 
-def _output_rows(g: Array, h_inf: Array, targets: IntArray) -> tuple[Array, Array]:
-    """sum_n (|g[n, v]| + [y_n = v]/N) max_j |h[n, j]| per row v, and the same weights'
-    column sums (the db magnitude)."""
+#: Rows per block when a magnitude is summed over a large matrix: a few MB of temporaries
+#: instead of a whole [N, V] or [V, d] copy.
+_BLOCK = 64
+
+
+def _output_rows(g: Array, h_inf: Array, targets: IntArray,
+                 e_rows: Array | None = None) -> tuple[Array, Array, Array]:
+    """sum_n (|g[n, v]| + [y_n = v]/N) max_j |h[n, j]| per row v, the same weights' column
+    sums (the db magnitude), and per position sum_v |g[n, v]| max_j |E[v, j]| (the size of
+    the terms of dh = g @ E, whatever cancels among them; zeros without ``e_rows``)."""
     n, V = g.shape
-    w = np.abs(g)  # in g's own dtype: a float64 copy of [N, V] costs more than the sums
+    rows = np.zeros(V)
+    col = np.zeros(V)
+    dh_terms = np.zeros(n)
+    hw = h_inf.astype(g.dtype)
+    for s in range(0, n, _BLOCK):  # |g| in blocks of positions, in g's own dtype
+        w = np.abs(g[s:s + _BLOCK])
+        rows += w.T @ hw[s:s + _BLOCK]
+        col += w.sum(axis=0)
+        if e_rows is not None:
+            dh_terms[s:s + _BLOCK] = w @ e_rows
     # the target's probability enters g as p - 1: count it even when g ~ 0 (a fitted batch)
     tgt = np.bincount(targets, minlength=V)[:V] / max(n, 1)
     tgt_h = np.bincount(targets, weights=h_inf, minlength=V)[:V] / max(n, 1)
-    rows = (w.T @ h_inf.astype(w.dtype)).astype(np.float64) + tgt_h
-    return rows, w.sum(axis=0, dtype=np.float64) + tgt
+    return rows + tgt_h, col + tgt, dh_terms
+
+
+def _abs_rows(E: Array) -> Array:
+    """max_j |E[v, j]| per row, in blocks of rows."""
+    out = np.empty(E.shape[0], dtype=E.dtype)
+    for s in range(0, E.shape[0], 16 * _BLOCK):
+        out[s:s + 16 * _BLOCK] = np.abs(E[s:s + 16 * _BLOCK]).max(axis=1, initial=0)
+    return out
+
+
+def _abs_stats(E: Array) -> tuple[float, float]:
+    """max |E| and the largest row sum of |E|, in blocks of rows."""
+    e_max = row_max = 0.0
+    for s in range(0, E.shape[0], 16 * _BLOCK):
+        a = np.abs(E[s:s + 16 * _BLOCK])
+        if a.size:
+            e_max = max(e_max, float(a.max()))
+            row_max = max(row_max, float(a.sum(axis=1, dtype=np.float64).max()))
+    return e_max, row_max
 
 
 def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: IntArray,
                 targets: IntArray, res: float, s_in: float, p: Parts) -> Terms:
     """Bound terms of the probe model on one batch (see :mod:`tyingspec._tolerance`)."""
-    E_abs = np.abs(E_out)
-    V, d = E_abs.shape
+    V, d = E_out.shape
     n = tokens.shape[0]
     h_inf = _abs_max_rows(p.h)
-    out_rows, db = _output_rows(p.g, h_inf, targets)
-    e_max = max(float(E_abs.max(initial=0.0)), float(np.abs(E_in).max(initial=0.0)))
-    # each occurrence adds its own |s_in dx[n]|: the row's input-path terms
+    out_rows, db, dh_terms = _output_rows(p.g, h_inf, targets,
+                                          _abs_rows(E_out).astype(p.g.dtype))
+    e_max, row_sum_max = _abs_stats(E_out)
+    if E_in is not E_out:  # tied: one matrix, one pass
+        e_max = max(e_max, _abs_stats(E_in)[0])
+    # Each occurrence adds its own |s_in dx[n]|, and dx[n] carries the rounding of dh = g @ E,
+    # whose terms can be much larger than their sum (g sums to 0).  Those per-position
+    # rounding errors are independent, so they add in quadrature over a token's occurrences:
+    # a token seen 1024 times keeps a bound that can still tell a lost occurrence.
+    w_inf = float(np.abs(np.asarray(W, dtype=np.float64)).sum(axis=1).max(initial=0.0))
     dx_inf = abs(s_in) * _abs_max_rows(p.dx)
-    in_rows = np.bincount(tokens, weights=dx_inf, minlength=V)[:V]
+    cancel = abs(s_in) * dh_terms * (abs(res) + w_inf)
+    in_rows = np.bincount(tokens, weights=dx_inf, minlength=V)[:V] + np.sqrt(
+        np.bincount(tokens, weights=cancel * cancel, minlength=V)[:V])
     b_max = 0.0 if b is None else float(np.abs(b).max(initial=0.0))
-    logit = float(h_inf.max(initial=0.0)) * float(
-        E_abs.sum(axis=1, dtype=np.float64).max(initial=0.0)) + b_max
+    logit = float(h_inf.max(initial=0.0)) * row_sum_max + b_max
     k = d + n + float(np.sqrt(V)) + logit
     x = np.abs(np.asarray(p.x, dtype=np.float64))
     # |du| plus what it can be whatever cancels inside g @ E (so a dW that is 0 in truth, e.g.
@@ -183,7 +227,7 @@ def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: In
 
 def kernel_terms(tokens: IntArray, dx: Array, h: Array, g: Array, V: int) -> Terms:
     """Bound terms of a kernel call: its inputs are given, only its reductions round."""
-    rows, _ = _output_rows(g, _abs_max_rows(h), np.zeros(0, dtype=np.int64))
+    rows, _, _ = _output_rows(g, _abs_max_rows(h), np.zeros(0, dtype=np.int64))
     rows = rows + np.bincount(tokens, weights=_abs_max_rows(dx), minlength=V)[:V]
     return Terms(rows=rows, k=float(tokens.shape[0] + np.sqrt(V) + 1))
 
