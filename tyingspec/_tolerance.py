@@ -13,9 +13,10 @@ products; its rounding error is bounded by the sum of the *magnitudes* of those 
 ``m_n`` is ``max_j |dx[n, j]|``; for a model, plus the size of the terms of ``dh = g @ E``
 (they cancel: g sums to 0), ``sum_v |g[n, v]| max_j |E[v, j]| * (|res| + ||W||_inf)``, added
 in quadrature over a token's occurrences (independent per-position rounding).
-``L = max_n ||h_n||_inf * max_v ||E_v||_1 + max|b|`` bounds a logit: a float32 logit is off by about ``u L``, and the
-softmax turns that into a relative error of the same size in ``g``.  The ``[y_n = v] / N`` term
-keeps the bound of a target row above zero when the model already fits its batch (``g ~ 0``);
+``L = max_n ||h_n||_inf * max_v ||E_v||_1 + max|b|`` bounds a logit: a float32 logit is off
+by about ``u L``, and the softmax turns that into a relative error of the same size in ``g``.
+The ``[y_n = v] / N`` term keeps the bound of a target row above zero when the model already
+fits its batch (``g ~ 0``);
 ``max_w a_w`` is a floor at the scale of the whole gradient (underflow in a saturated softmax).
 
 Entry ``(v, j)`` is within the bound when ``|a - e| <= bound_v + rtol |e|`` with
