@@ -184,3 +184,13 @@ def test_bfloat16_cases_are_built_in_bfloat16_from_ml_dtypes() -> None:
 
     case = replace(standard_cases(0)[0], dtype="bfloat16")
     assert build(case).E.dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def test_the_cli_and_the_plugin_offer_exactly_the_engines_precisions() -> None:
+    from tyingspec._cli import build_parser
+    from tyingspec._engine import PRECISION_CHOICES
+    from tyingspec._plugin import PRECISIONS
+
+    check = build_parser()._subparsers._group_actions[0].choices["check"]  # type: ignore[union-attr]
+    action = next(a for a in check._actions if a.dest == "precision")
+    assert tuple(action.choices) == PRECISION_CHOICES == PRECISIONS

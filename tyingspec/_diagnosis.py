@@ -9,7 +9,7 @@ asks whether its own example *could* have told those apart from a correct gradie
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import numpy as np
 
@@ -212,10 +212,6 @@ def _rows_close(tol: Tolerance, actual: Array, expected: Array) -> np.ndarray:
     rows: np.ndarray = np.asarray(tol.close(actual, expected).all(axis=1))
     return rows
 
-
-def labels_for(names: tuple[str, ...] = get_args(Label)) -> tuple[Label, ...]:
-    """Every label, in catalogue order (a test keeps LABELS and the Literal in step)."""
-    return tuple(n for n in LABELS if n in names)
 
 
 def _occurrence_variants(paths: Paths, rows: np.ndarray) -> dict[str, Array]:

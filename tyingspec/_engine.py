@@ -50,7 +50,6 @@ Stage = Literal["first call", "after one SGD step"]
 FIRST_CALL: Stage = "first call"
 AFTER_STEP: Stage = "after one SGD step"
 Status = Literal["correct", "no_power", "wrong", "adapter_error"]
-STATUSES: tuple[Status, ...] = get_args(Status)
 
 #: The call after the SGD step sees at most this many positions of the batch: it is there to
 #: catch state kept between calls (a copied tie, an unzeroed buffer), which any batch shows,

@@ -80,13 +80,3 @@ def builtins() -> dict[str, Implementation]:
     from . import _implementations, _mutants  # noqa: F401  (importing registers them)
 
     return REGISTRY
-
-
-def builtin(name: str) -> Implementation:
-    """Look up a built-in by name with an error that lists what exists."""
-    known = builtins()
-    try:
-        return known[name]
-    except KeyError:
-        raise KeyError(f"no built-in implementation {name!r}; known: "
-                       f"{', '.join(sorted(known))}") from None

@@ -111,14 +111,6 @@ class Tolerance:
             return self
         return Tolerance(np.asarray(self.atol)[rows], self.rtol, self.dtype)
 
-    def excess(self, actual: np.ndarray, expected: np.ndarray) -> float:
-        """The worst entry's error over its allowance (<= 1 means within)."""
-        if np.size(actual) == 0:
-            return 0.0
-        err = np.abs(actual - expected)
-        allow = self.atol + self.rtol * np.abs(expected)
-        return float(np.max(err / np.maximum(allow, np.finfo(np.float64).tiny)))
-
     def describe(self) -> str:
         if np.ndim(self.atol) == 0:
             atol = f"atol={float(self.atol):.3g}"
