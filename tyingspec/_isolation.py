@@ -21,7 +21,7 @@ import signal
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,6 +29,65 @@ from typing import Any
 DEFAULT_TIMEOUT = 120.0
 #: Seconds the import and signature check of a target may take.
 LOAD_TIMEOUT = 120.0
+
+
+#: Arrays at least this large cross the pipe through shared memory (one copy each way) instead
+#: of being pickled (several): at V = 50257 that is most of the isolation's cost.
+SHARE_ABOVE = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """An array left in a named shared-memory block for the other process."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _share(a: Any, blocks: list[Any]) -> Any:
+    """``a`` as a :class:`_Shared` when it is a large numpy array (the block is appended to
+    ``blocks``: its creator unlinks it), else ``a`` itself."""
+    import numpy as np
+
+    if not isinstance(a, np.ndarray) or a.nbytes < SHARE_ABOVE or a.dtype.hasobject:
+        return a
+    from multiprocessing import shared_memory
+
+    block = shared_memory.SharedMemory(create=True, size=a.nbytes)
+    blocks.append(block)
+    np.ndarray(a.shape, dtype=a.dtype, buffer=block.buf)[...] = a
+    return _Shared(block.name, tuple(a.shape), a.dtype.str)
+
+
+def _unshare(x: Any, blocks: list[Any], *, copy: bool) -> Any:
+    """The array behind a :class:`_Shared` (a view into the attached block, or a copy)."""
+    if not isinstance(x, _Shared):
+        return x
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    block = shared_memory.SharedMemory(name=x.name)
+    view = np.ndarray(x.shape, dtype=np.dtype(x.dtype), buffer=block.buf)
+    if copy:
+        out = view.copy()
+        del view
+        block.close()
+        return out
+    blocks.append(block)
+    return view
+
+
+def _release(blocks: list[Any], *, unlink: bool) -> None:
+    for block in blocks:
+        try:
+            block.close()
+            if unlink:
+                block.unlink()
+        except (BufferError, FileNotFoundError, OSError):
+            pass
+    blocks.clear()
 
 
 def _describe_exit(code: int | None) -> str:
@@ -74,14 +133,29 @@ def _serve(conn: Connection, spec: str, kind: str, paths: tuple[str, ...]) -> No
             return
         if message is None:
             return
-        inputs = message
+        attached: list[Any] = []
+        created: list[Any] = []
+        inputs = {k: _unshare(v, attached, copy=False) for k, v in message.items()}
         try:
-            conn.send(("ok", table.invoke(spec, fn, inputs)))
+            returned = table.invoke(spec, fn, inputs)
+            del inputs  # the views into the parent's blocks go before the blocks close
+            returned = replace(returned, dE=_share(returned.dE, created))
+            conn.send(("ok", returned))
         except AdapterError as exc:
             conn.send(("error", exc))
         except BaseException as exc:  # noqa: BLE001  (SystemExit, KeyboardInterrupt, ...)
             conn.send(("error", AdapterError(spec, "raised an exception",
                                              got=_exc_text(exc))))
+        finally:
+            inputs = {}
+            _release(attached, unlink=False)
+            # the parent copies the result out before it answers: then this block can go
+            if created:
+                try:
+                    conn.recv()
+                except (EOFError, OSError):
+                    pass
+                _release(created, unlink=True)
 
 
 def _exc_text(exc: BaseException) -> str:
@@ -159,16 +233,28 @@ class Worker:
         if self._proc is None or not self._proc.is_alive():
             self.start()
         assert self._conn is not None
+        blocks: list[Any] = []
         try:
-            self._conn.send(dict(inputs))
-        except (BrokenPipeError, OSError):
-            self.stop()
-            self.start()
-            self._conn.send(dict(inputs))
-        reply = self._receive(self.timeout, "running the call")
+            message = {k: _share(v, blocks) for k, v in inputs.items()}
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError):
+                self.stop()
+                self.start()
+                assert self._conn is not None
+                self._conn.send(message)
+            reply = self._receive(self.timeout, "running the call")
+        finally:
+            _release(blocks, unlink=True)
         if reply[0] == "error":
             raise reply[1]
-        return reply[1]
+        returned = reply[1]
+        if isinstance(returned.dE, _Shared):
+            result: list[Any] = []
+            returned = replace(returned, dE=_unshare(returned.dE, result, copy=True))
+            assert self._conn is not None
+            self._conn.send("copied")  # the worker may now unlink the result's block
+        return returned
 
     def stop(self) -> None:
         """End the worker (politely, then by force)."""
