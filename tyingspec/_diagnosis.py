@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._probe import Array, Paths
-from ._tolerance import Precision, Terms, Tolerance, precision_of, row_tolerance
+from ._tolerance import Precision, Tolerance, precision_of, row_tolerance
 
 Label = Literal["correct", "no_power", "forward_mismatch", "precision_limited",
                 "input_path_missing", "output_path_missing", "output_path_overwritten",
@@ -190,13 +190,14 @@ def _scan(actual: np.ndarray, d_in: np.ndarray, d_out: np.ndarray, tol: Toleranc
     low = tol.dtype != "float64" and all(x.dtype == np.float32 for x in (actual, d_in, d_out))
     ct: np.dtype[Any] = np.dtype(np.float32 if low else np.float64)
     tiny = np.finfo(ct).tiny
+    atol_all = np.asarray(tol.atol, dtype=ct)
     for s in range(0, V, _BLOCK):
         e = min(V, s + _BLOCK)
         a = actual[s:e].astype(ct, copy=False)
         do = d_out[s:e].astype(ct, copy=False)
         ref = d_in[s:e].astype(ct, copy=False) + do
         abs_ref = np.abs(ref)
-        atol = np.asarray(tol.rows(np.arange(s, e)).atol, dtype=ct)
+        atol = atol_all[s:e] if atol_all.ndim else atol_all
         allow = np.maximum(atol + ct.type(tol.rtol) * abs_ref, tiny)
         diff = np.abs(a - ref)
         row_ratio[s:e] = (diff / allow).max(axis=1, initial=0.0)
@@ -269,9 +270,7 @@ def diagnose(
     din_raw, dout_raw = np.asarray(paths.dE_in), np.asarray(paths.dE_out)
     V = raw.shape[0]
     precision: Precision = precision_of(dtype if dtype is not None else raw.dtype)
-    terms = paths.terms if paths.terms is not None else Terms.from_paths(
-        din_raw.astype(np.float64), dout_raw.astype(np.float64))
-    tol = row_tolerance(terms, precision)
+    tol = row_tolerance(paths.bound_terms, precision)
     tokens = paths.tokens
     uniq, counts = np.unique(tokens, return_counts=True)
     repeated = {int(u): int(c) for u, c in zip(uniq, counts) if c > 1}

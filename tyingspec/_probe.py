@@ -58,6 +58,15 @@ class Paths:
     def dE(self) -> Array:
         return self.dE_in + self.dE_out
 
+    @property
+    def bound_terms(self) -> Terms:
+        """What the row bound is built from: the reference's own terms, or for hand-built
+        paths the row magnitudes of the paths themselves."""
+        if self.terms is not None:
+            return self.terms
+        return Terms.from_paths(np.asarray(self.dE_in, np.float64),
+                                np.asarray(self.dE_out, np.float64))
+
 
 def flatten_batch(tokens: object, targets: object) -> tuple[IntArray, IntArray]:
     """Tokens/targets as [N] or [B, T] (flattened row-major) integer arrays."""
@@ -175,23 +184,16 @@ def _output_rows(g: Array, h_inf: Array, targets: IntArray,
     return rows + tgt_h, col + tgt, dh_terms
 
 
-def _abs_rows(E: Array) -> Array:
-    """max_j |E[v, j]| per row, in blocks of rows."""
-    out = np.empty(E.shape[0], dtype=E.dtype)
-    for s in range(0, E.shape[0], 16 * _BLOCK):
-        out[s:s + 16 * _BLOCK] = np.abs(E[s:s + 16 * _BLOCK]).max(axis=1, initial=0)
-    return out
-
-
-def _abs_stats(E: Array) -> tuple[float, float]:
-    """max |E| and the largest row sum of |E|, in blocks of rows."""
-    e_max = row_max = 0.0
+def _abs_rows(E: Array) -> tuple[Array, float]:
+    """max_j |E[v, j]| per row, and the largest row sum of |E|: one blocked pass over E."""
+    row_max = np.zeros(E.shape[0], dtype=E.dtype)
+    sum_max = 0.0
     for s in range(0, E.shape[0], 16 * _BLOCK):
         a = np.abs(E[s:s + 16 * _BLOCK])
         if a.size:
-            e_max = max(e_max, float(a.max()))
-            row_max = max(row_max, float(a.sum(axis=1, dtype=np.float64).max()))
-    return e_max, row_max
+            row_max[s:s + 16 * _BLOCK] = a.max(axis=1)
+            sum_max = max(sum_max, float(a.sum(axis=1, dtype=np.float64).max()))
+    return row_max, sum_max
 
 
 def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: IntArray,
@@ -200,11 +202,11 @@ def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: In
     V, d = E_out.shape
     n = tokens.shape[0]
     h_inf = _abs_max_rows(p.h)
-    out_rows, db, dh_terms = _output_rows(p.g, h_inf, targets,
-                                          _abs_rows(E_out).astype(p.g.dtype))
-    e_max, row_sum_max = _abs_stats(E_out)
+    e_rows, row_sum_max = _abs_rows(E_out)
+    out_rows, db, dh_terms = _output_rows(p.g, h_inf, targets, e_rows.astype(p.g.dtype))
+    e_max = float(e_rows.max(initial=0))
     if E_in is not E_out:  # tied: one matrix, one pass
-        e_max = max(e_max, _abs_stats(E_in)[0])
+        e_max = max(e_max, float(_abs_rows(E_in)[0].max(initial=0)))
     # Each occurrence adds its own |s_in dx[n]|, and dx[n] carries the rounding of dh = g @ E,
     # whose terms can be much larger than their sum (g sums to 0).  Those per-position
     # rounding errors are independent, so they add in quadrature over a token's occurrences:
