@@ -6,8 +6,8 @@ from itertools import pairwise
 
 import numpy as np
 
-from tyingspec._cases import Case, build
-from tyingspec._engine import Target, agree, call, declared, judge, precision_for, reference
+from tyingspec._cases import Case
+from tyingspec._engine import Target, agree, batch_for, call, judge, precision_for, reference
 from tyingspec._strategies import cases
 
 from ._common import seeded
@@ -30,8 +30,7 @@ def micro_batches_accumulate(target: Target, case: Case) -> None:
     batch) for dE, dW, db and the loss (the sum loss is additive).  Kernel: the kernel is a sum
     over positions, so its outputs on the slices of (tokens, dx, h, g) add up to its output on
     the whole."""
-    case = declared(target, case)
-    batch = build(case)
+    case, batch = batch_for(target, case)
     pieces = cuts(case)
     paths = reference(target, batch)
     whole = call(target, batch)
@@ -71,7 +70,7 @@ def micro_batches_accumulate(target: Target, case: Case) -> None:
         raise PropertyFailure(
             "micro_batches_accumulate",
             f"accumulating {len(pieces)} micro-batches {pieces} differs from the whole batch "
-            f"in {', '.join(mismatched)}", case.with_batch(batch.tokens, batch.targets),
+            f"in {', '.join(mismatched)}", case,
             diagnosis=diag,
             details="micro-batches as position slices [start, stop): "
                     + ", ".join(f"[{a}, {z})" for a, z in pieces))

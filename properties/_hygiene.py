@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from tyingspec._adapters import Returned
-from tyingspec._cases import Case, build
-from tyingspec._engine import Target, agree, call, declared, judge, precision_for, reference
+from tyingspec._cases import Case
+from tyingspec._engine import Target, agree, batch_for, call, judge, precision_for, reference
 from tyingspec._strategies import cases
 
 from ._core import PropertyFailure, register
@@ -17,14 +17,13 @@ def inputs_untouched(target: Target, case: Case) -> None:
     """The implementation does not write into any array it is given (E, W, b, tokens, targets
     for a model; tokens, dx, h, g for a kernel): compared bitwise, since any write is a
     mutation even when it writes back equal values."""
-    case = declared(target, case)
-    batch = build(case)
+    case, batch = batch_for(target, case)
     got = call(target, batch)
     if got.mutated:
         diag = judge(got, reference(target, batch), precision_for(target, got))
         raise PropertyFailure("inputs_untouched", "wrote into its inputs: "
                               + ", ".join(got.mutated),
-                              case.with_batch(batch.tokens, batch.targets), diagnosis=diag)
+                              case, diagnosis=diag)
 
 
 def _values(r: Returned) -> dict[str, object]:
@@ -38,8 +37,7 @@ def same_call_same_gradient(target: Target, case: Case) -> None:
     into the next.  Compared within the rounding bound, not bitwise: a scatter with atomics may
     legitimately sum in a different order each call; a leaked buffer is off by a whole
     gradient."""
-    case = declared(target, case)
-    batch = build(case)
+    case, batch = batch_for(target, case)
     first, second = call(target, batch), call(target, batch)
     paths = reference(target, batch)
     precision = precision_for(target, first, second)
@@ -52,6 +50,6 @@ def same_call_same_gradient(target: Target, case: Case) -> None:
                                   - np.asarray(first.dE, np.float64)), initial=0.0))
         raise PropertyFailure("same_call_same_gradient",
                               "the second identical call returned different " + ", ".join(differ),
-                              case.with_batch(batch.tokens, batch.targets), diagnosis=diag,
+                              case, diagnosis=diag,
                               details="diagnosis of the second call's dE; the two calls' dE "
                                       f"differ by up to {gap:.3g}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tyingspec._cases import Case, build
-from tyingspec._engine import Target, agree, call, declared, judge, precision_for, reference
+from tyingspec._cases import Case
+from tyingspec._engine import Target, agree, batch_for, call, judge, precision_for, reference
 from tyingspec._strategies import cases
 
 from ._common import rows_text, seeded
@@ -19,8 +19,7 @@ def _coefficient(case: Case, salt: int) -> float:
 
 
 def _linearity(target: Target, case: Case, name: str, which: str, salt: int) -> None:
-    case = declared(target, case)
-    batch = build(case)
+    case, batch = batch_for(target, case)
     inputs = target.table.inputs(batch)
     base = inputs[which]
     rng = seeded(case, salt)
@@ -44,7 +43,7 @@ def _linearity(target: Target, case: Case, name: str, which: str, salt: int) -> 
         raise PropertyFailure(
             name, f"f({which} = a*{which}1 + {which}2) + a*f(0) != a*f({which}1) + f({which}2) "
                   f"on {bad.size} of {case.V} rows (a = {a:.6g})",
-            case.with_batch(batch.tokens, batch.targets),
+            case,
             diagnosis=judge(f_one, reference(target, batch), precision),
             details=f"rows that break linearity: {rows_text(bad)}; {which}2 drawn from the "
                     "case seed")

@@ -6,12 +6,12 @@ from typing import Any
 
 import numpy as np
 
-from tyingspec._cases import Batch, Case, build
+from tyingspec._cases import Batch, Case
 from tyingspec._engine import (
     Target,
     agree,
+    batch_for,
     call,
-    declared,
     judge,
     precision_for,
     reference,
@@ -53,8 +53,7 @@ def relabelling_permutes_rows(target: Target, case: Case) -> None:
     """Relabelling the vocabulary by a permutation p (row v of E and entry v of b move to p(v);
     tokens and targets t become p(t)) permutes the rows of dE the same way: dE'[p(v)] = dE[v].
     Both gradients come from the implementation under test; no row is special."""
-    case = declared(target, case)
-    batch = build(case)
+    case, batch = batch_for(target, case)
     perm = permutation(case)
     paths = reference(target, batch)
     got = call(target, batch)
@@ -75,7 +74,7 @@ def relabelling_permutes_rows(target: Target, case: Case) -> None:
         raise PropertyFailure(
             "relabelling_permutes_rows",
             f"relabelling the vocabulary changed {bad.size} of {case.V} rows of dE "
-            "beyond the permutation", case.with_batch(batch.tokens, batch.targets),
+            "beyond the permutation", case,
             diagnosis=diag,
             details=f"rows (original ids) that differ: {rows_text(bad)}; permutation "
                     f"v -> p(v): {rows_text(perm, 32)}; diagnosis of the {which}")

@@ -40,6 +40,7 @@ from ._tolerance import (
     Precision,
     Terms,
     Tolerance,
+    least_precise,
     row_tolerance,
     value_tolerance,
 )
@@ -153,32 +154,32 @@ def precision_for(target: Target, *returned: Returned) -> Precision:
     the adapter returned."""
     if target.precision != "auto":
         return target.precision
-    order = ("float64", "float32", "float16", "bfloat16")
-    got = [r.precision for r in returned]
-    return max(got, key=order.index) if got else "float64"
+    return least_precise(*[r.precision for r in returned])
 
 
 def row_bound(paths: Paths, precision: Precision) -> Tolerance:
     """Each row's rounding bound at ``precision`` (see :mod:`tyingspec._tolerance`)."""
-    terms = paths.terms if paths.terms is not None else Terms.from_paths(
-        np.asarray(paths.dE_in, np.float64), np.asarray(paths.dE_out, np.float64))
-    return row_tolerance(terms, precision)
+    return row_tolerance(paths.bound_terms, precision)
+
+
+def value_bound(name: str, paths: Paths, precision: Precision) -> Tolerance:
+    """The rounding bound of another output (``loss``, ``dW`` or ``db``) on ``paths``: its own
+    terms' magnitudes, or the reference value's when the paths carry none."""
+    terms = paths.terms or Terms(rows=np.zeros(0), k=1.0)
+    magnitude = {"loss": terms.loss or None, "dW": terms.dW, "db": terms.db}[name]
+    if magnitude is None:
+        magnitude = np.abs(np.asarray(getattr(paths, name), dtype=np.float64))
+    return value_tolerance(terms, precision, magnitude)
 
 
 def other_checks(returned: Returned, paths: Paths, precision: Precision) -> list[ArrayCheck]:
     """The loss, dW and db a model returned, against the reference under their bounds."""
     if returned.loss is None:
         return []
-    terms = paths.terms or Terms(rows=np.zeros(0), k=1.0)
-    checks = [compare("loss", returned.loss, paths.loss,
-                      value_tolerance(terms, precision, terms.loss or abs(paths.loss)))]
-    if returned.dW is not None:
-        checks.append(compare("dW", returned.dW, paths.dW, value_tolerance(
-            terms, precision, terms.dW if terms.dW is not None else np.abs(paths.dW))))
-    if paths.db is not None and returned.db is not None:
-        checks.append(compare("db", returned.db, paths.db, value_tolerance(
-            terms, precision, terms.db if terms.db is not None else np.abs(paths.db))))
-    return checks
+    names = ["loss"] + (["dW"] if returned.dW is not None else []) + \
+        (["db"] if paths.db is not None and returned.db is not None else [])
+    return [compare(n, getattr(returned, n), getattr(paths, n), value_bound(n, paths, precision))
+            for n in names]
 
 
 def _judge_at(returned: Returned, paths: Paths, precision: Precision) -> Diagnosis:
@@ -237,15 +238,22 @@ class Observation:
         return self.diagnosis.label
 
 
-def first_call(target: Target, case: Case) -> Observation:
-    """Steps 1-5 of the module docstring: one call, judged."""
+def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
+    """Step 1: the case's arrays in the target's declared precision, and the case with its
+    tokens and targets spelled out (what a failure prints and a replay needs)."""
     case = declared(target, case)
     batch = build(case)
+    return case.with_batch(batch.tokens, batch.targets), batch
+
+
+def first_call(target: Target, case: Case) -> Observation:
+    """Steps 1-5 of the module docstring: one call, judged."""
+    case, batch = batch_for(target, case)
     returned = call(target, batch)
     precision = precision_for(target, returned)
     paths = reference(target, batch, precision=precision)
-    return Observation(case.with_batch(batch.tokens, batch.targets), batch, returned, paths,
-                       precision, judge(returned, paths, precision))
+    return Observation(case, batch, returned, paths, precision,
+                       judge(returned, paths, precision))
 
 
 #: The last dE each target returned, per shape: a gradient buffer that is never zeroed shows
@@ -338,11 +346,6 @@ def agree(name: str, actual: Any, expected: Any, paths: Paths, precision: Precis
     ``factor`` such results): how a metamorphic property compares two calls."""
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
-    if name == "dE":
-        tol = row_bound(paths, precision)
-    else:
-        terms = paths.terms or Terms(rows=np.zeros(0), k=1.0)
-        mag = {"loss": terms.loss or abs(paths.loss), "dW": terms.dW, "db": terms.db}[name]
-        tol = value_tolerance(terms, precision, np.abs(e) if mag is None else mag)
+    tol = row_bound(paths, precision) if name == "dE" else value_bound(name, paths, precision)
     atol = np.asarray(tol.atol) * factor
     return np.asarray(np.abs(a - e) <= atol + tol.rtol * np.abs(e))
