@@ -15,10 +15,8 @@ import numpy as np
 from ._probe import (
     Array,
     IntArray,
-    Parts,
     Paths,
     closed_form_paths,
-    forward_parts,
     kernel_terms,
     scatter_rows,
 )
@@ -257,11 +255,3 @@ def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
                  dE_out=np.asarray(g, dtype=dt).T @ np.asarray(h, dtype=dt),
                  dW=np.zeros((0, 0)), db=None, per_position=rows, tokens=tokens,
                  terms=kernel_terms(tokens, dx, h, g, V))
-
-
-def kernel_inputs(batch: Batch) -> tuple[Parts, Paths]:
-    """Inputs of a kernel adapter taken from a real forward pass, and the reference paths."""
-    p = forward_parts(batch.E, batch.E, batch.W, batch.b, batch.tokens, batch.targets,
-                      batch.res, batch.s_in)
-    paths = kernel_paths(batch.tokens, p.input_rows, p.h, p.g, batch.E.shape[0])
-    return p, paths

@@ -24,7 +24,7 @@ One observation:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -132,12 +132,14 @@ def declared(target: Target, case: Case) -> Case:
 
 def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
     """Call the target on a batch's inputs for its kind, any of them replaced."""
-    table = target.table
-    inputs = table.inputs(batch) | overrides
+    return _invoke(target, target.table.inputs(batch) | overrides)
+
+
+def _invoke(target: Target, inputs: dict[str, Any]) -> Returned:
     if target.worker is not None:
         returned: Returned = target.worker.invoke(inputs)
         return returned
-    return table.invoke(target.spec, target.fn, inputs)
+    return target.table.invoke(target.spec, target.fn, inputs)
 
 
 def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
@@ -145,8 +147,18 @@ def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
     """The two-path reference for the inputs :func:`call` hands over, for a check judged at
     ``precision`` (float64 arithmetic, or float32 at large shapes judged at float32 or below;
     see ``tyingspec._cases.working_dtype``)."""
-    table = target.table
-    return table.reference(batch, table.inputs(batch) | overrides, precision)
+    return target.table.reference(batch, target.table.inputs(batch) | overrides, precision)
+
+
+def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
+            ) -> tuple[dict[str, Any], Returned, Paths, Precision]:
+    """One call and its reference on the same inputs, built once (a kernel's are a whole
+    forward pass of the probe model)."""
+    if inputs is None:
+        inputs = target.table.inputs(batch)
+    returned = _invoke(target, inputs)
+    precision = precision_for(target, returned)
+    return inputs, returned, target.table.reference(batch, inputs, precision), precision
 
 
 def precision_for(target: Target, *returned: Returned) -> Precision:
@@ -228,6 +240,7 @@ class Observation:
     precision: Precision
     diagnosis: Diagnosis
     stage: Stage = FIRST_CALL
+    inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # what the target got
 
     @property
     def status(self) -> Status:
@@ -249,11 +262,9 @@ def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
 def first_call(target: Target, case: Case) -> Observation:
     """Steps 1-5 of the module docstring: one call, judged."""
     case, batch = batch_for(target, case)
-    returned = call(target, batch)
-    precision = precision_for(target, returned)
-    paths = reference(target, batch, precision=precision)
+    inputs, returned, paths, precision = _called(target, batch)
     return Observation(case, batch, returned, paths, precision,
-                       judge(returned, paths, precision))
+                       judge(returned, paths, precision), inputs=inputs)
 
 
 #: The last dE each target returned, per shape: a gradient buffer that is never zeroed shows
@@ -304,12 +315,17 @@ def observe(target: Target, case: Case, *, step: bool = True) -> Observation:
         stepped, lr = moved
         keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
         batch = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
-    returned = call(target, batch)
-    precision = precision_for(target, returned)
-    paths = first.paths if batch is first.batch and precision == first.precision else \
-        reference(target, batch, precision=precision)
+    inputs = first.inputs
+    if batch is first.batch:  # a repeat: the same inputs, and their reference if it still fits
+        returned = _invoke(target, inputs)
+        precision = precision_for(target, returned)
+        paths = first.paths if precision == first.precision else \
+            target.table.reference(batch, inputs, precision)
+    else:
+        inputs, returned, paths, precision = _called(target, batch)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
-                                           judge(returned, paths, precision), AFTER_STEP))
+                                           judge(returned, paths, precision), AFTER_STEP,
+                                           inputs))
     if not second.diagnosis.wrong:
         return first
     if lr and second.label not in ("gradient_not_zeroed", "inputs_mutated"):

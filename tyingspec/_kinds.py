@@ -12,12 +12,12 @@ tests.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 from ._adapters import Returned, call_kernel, call_model
-from ._cases import Batch, kernel_inputs, model_reference
-from ._probe import Paths
+from ._cases import Batch, kernel_paths, model_reference
+from ._probe import Paths, forward_parts
 
 Kind = Literal["model", "kernel"]
 #: ``sgd_step``: again after E moved by one SGD step along the dE it returned (a model: a copied
@@ -50,26 +50,20 @@ def _model_inputs(batch: Batch) -> Inputs:
 
 
 def _model_reference(batch: Batch, inputs: Inputs, precision: str) -> Paths:
-    same = inputs["E"] is batch.E and inputs["tokens"] is batch.tokens and \
-        inputs["targets"] is batch.targets and inputs["b"] is batch.b
-    if same:
-        return model_reference(batch, precision)
-    from dataclasses import replace
-
     return model_reference(replace(batch, E=inputs["E"], b=inputs["b"],
                                    tokens=inputs["tokens"], targets=inputs["targets"]),
                            precision)
 
 
 def _kernel_inputs(batch: Batch) -> Inputs:
-    parts, _ = kernel_inputs(batch)
-    return {"tokens": batch.tokens, "dx": parts.input_rows, "h": parts.h, "g": parts.g,
+    # the kernel's inputs come from a real forward pass of the probe model on the batch
+    p = forward_parts(batch.E, batch.E, batch.W, batch.b, batch.tokens, batch.targets,
+                      batch.res, batch.s_in)
+    return {"tokens": batch.tokens, "dx": p.input_rows, "h": p.h, "g": p.g,
             "vocab_size": batch.E.shape[0]}
 
 
 def _kernel_reference(batch: Batch, inputs: Inputs, precision: str) -> Paths:
-    from ._cases import kernel_paths
-
     return kernel_paths(inputs["tokens"], inputs["dx"], inputs["h"], inputs["g"],
                         inputs["vocab_size"], precision)
 
