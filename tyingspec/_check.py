@@ -23,10 +23,7 @@ from ._engine import (
     load,
     observe,
 )
-from ._isolation import DEFAULT_TIMEOUT
-
-#: Seconds a failing case may spend shrinking its batch (each try is one more check).
-SHRINK_BUDGET = 5.0
+from ._options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -65,7 +62,7 @@ class CaseResult:
         return d
 
 
-def shrink(target: Target, case: Case, label: str, budget: float = SHRINK_BUDGET,
+def shrink(target: Target, case: Case, label: str, budget: float = DEFAULT_SHRINK_BUDGET,
            ) -> tuple[Case, str]:
     """Delete positions while the same diagnosis label persists (keeps E, W, b), for at most
     ``budget`` seconds; returns the smallest case found and a note when time ran out."""
@@ -111,7 +108,7 @@ def result_of(target: Target, obs: Observation, base_seed: int) -> CaseResult:
 
 
 def run_case(target: Target, case: Case, base_seed: int, *, do_shrink: bool = True,
-             shrink_budget: float = SHRINK_BUDGET) -> CaseResult:
+             shrink_budget: float = DEFAULT_SHRINK_BUDGET) -> CaseResult:
     """Observe one case through the engine; shrink a wrong one to its smallest batch."""
     try:
         obs = observe(target, case)
@@ -161,7 +158,7 @@ class CheckReport:
 
 
 def check_target(spec: str, kind: str, seed: int, cases: list[Case], *,
-                 precision: PrecisionChoice = "auto", shrink_budget: float = SHRINK_BUDGET,
+                 precision: PrecisionChoice = "auto", shrink_budget: float = DEFAULT_SHRINK_BUDGET,
                  on_result: Any = None, timeout: float = DEFAULT_TIMEOUT,
                  paths: tuple[str, ...] = ()) -> CheckReport:
     """Resolve ``spec`` and run it on every case; adapter errors are recorded, the run goes on.

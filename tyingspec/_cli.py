@@ -10,7 +10,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from ._options import int_list, positive_seconds, seed, shape, shrink_budget
+from ._options import (
+    DEFAULT_SHRINK_BUDGET,
+    DEFAULT_TIMEOUT,
+    int_list,
+    positive_seconds,
+    seed,
+    shape,
+    shrink_budget,
+)
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
 
@@ -32,11 +40,13 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--shape", type=shape, metavar="V,d,N",
                    help="run every case at this vocabulary, width and batch length, keeping "
                         "its composition (the cases defined by their shape are left out)")
-    p.add_argument("--timeout", type=positive_seconds, default=120.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="seconds one call of the target may take before it is ended as an "
-                        "adapter error (default 120); the remaining cases still run")
-    p.add_argument("--shrink-budget", type=shrink_budget, default=5.0, metavar="SECONDS",
-                   help="seconds a failing case may spend shrinking its batch (default 5; "
+                        "adapter error (default %(default)g); the remaining cases still run")
+    p.add_argument("--shrink-budget", type=shrink_budget, default=DEFAULT_SHRINK_BUDGET,
+                   metavar="SECONDS",
+                   help="seconds a failing case may spend shrinking its batch "
+                        "(default %(default)g; "
                         "0 turns shrinking off)")
     p.add_argument("--seed", type=seed, default=0, help="base seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="write a tyingspec.check/1 JSON report")

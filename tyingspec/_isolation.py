@@ -25,8 +25,9 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-#: Seconds one call may take before it is ended as an adapter error (``--timeout``).
-DEFAULT_TIMEOUT = 120.0
+from ._options import DEFAULT_TIMEOUT
+
+__all__ = ["DEFAULT_TIMEOUT", "Worker"]
 #: Seconds the import and signature check of a target may take.
 LOAD_TIMEOUT = 120.0
 

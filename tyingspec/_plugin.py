@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from ._options import positive_int, positive_seconds
+from ._options import DEFAULT_TIMEOUT, positive_int, positive_seconds
 
 SUITE_PATH = Path(__file__).with_name("_suite.py").resolve()
 SUITE_NODEID = "tyingspec"
@@ -112,9 +112,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "precise float the adapter returns), float64, float32, bfloat16, "
                          "float16")
     group.addoption("--tyingspec-timeout", metavar="SECONDS", type=positive_seconds,
-                    default=120.0,
+                    default=DEFAULT_TIMEOUT,
                     help="seconds one call of the adapter may take before it fails the "
-                         "property as an adapter error (default 120)")
+                         "property as an adapter error (default %(default)g)")
     group.addoption("--tyingspec-profile", type=_choice("profile", PROFILES), default=None,
                     help="Hypothesis settings for the property tests: dev (fast), ci "
                          "(derandomized; the default when $CI is set), thorough (hundreds of "
@@ -153,7 +153,7 @@ class Options:
     summary: str | None
     replay: str | None
     precision: str = "auto"
-    timeout: float = 120.0
+    timeout: float = DEFAULT_TIMEOUT
     paths: tuple[str, ...] = ()
 
     def command(self, *extra: str) -> str:

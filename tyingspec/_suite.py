@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 
+from ._options import DEFAULT_TIMEOUT
+
 if TYPE_CHECKING:
     from ._cases import Case
     from ._engine import Target
@@ -105,7 +107,8 @@ def _make_test(prop: Property, chosen: settings, replay: Case | None) -> Callabl
 
 def build_module(spec: str, kind: str, profile: str, max_examples: int | None = None,
                  replay: tuple[str, Case] | None = None, precision: str = "auto",
-                 timeout: float = 120.0, paths: tuple[str, ...] = ()) -> types.ModuleType:
+                 timeout: float = DEFAULT_TIMEOUT, paths: tuple[str, ...] = (),
+                 ) -> types.ModuleType:
     """A module object holding the session fixture ``tyingspec_target`` and one test per
     property (only the replayed one with ``replay``)."""
     from ._engine import load
