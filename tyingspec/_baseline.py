@@ -16,6 +16,7 @@ plugin loads it in the controller process.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -253,18 +254,12 @@ def check_verdicts(report: CheckReport, names: Iterable[str] = ()) -> Baseline:
     return Baseline("case", report.target, report.kind, verdicts, details)
 
 
-def _exists(path: str) -> bool:
-    import os
-
-    return os.path.exists(path)
-
-
 def apply_check_baseline(report: CheckReport, path: str, update: bool) -> tuple[int, list[str]]:
     """Gate a ``tyingspec check`` run on a baseline file: returns (exit code, lines to print).
 
     Exit code: the report's own, raised to 1 on a regression; 2 if the baseline is unreadable.
     """
-    if report.load_error and (update or not _exists(path)):
+    if report.load_error and (update or not os.path.exists(path)):
         what = "updated" if update else "recorded"
         return max(report.exit_code, 2), [(f"tyingspec: baseline {path} not {what}: the target "
                                           "cannot be loaded, so there are no verdicts to record")]

@@ -217,17 +217,19 @@ class Worker:
                     return self._conn.recv()
                 except (EOFError, OSError):
                     self._proc.join(5)
-                    code = self._proc.exitcode
-                    self.stop()
-                    raise AdapterError(self.spec, f"the worker process {_describe_exit(code)} "
-                                       f"while {during}", expected="a returned result",
-                                       got="no result (the process ended)") from None
+                    raise self._ended(during) from None
             if not self._proc.is_alive():
-                code = self._proc.exitcode
-                self.stop()
-                raise AdapterError(self.spec, f"the worker process {_describe_exit(code)} "
-                                   f"while {during}", expected="a returned result",
-                                   got="no result (the process ended)")
+                raise self._ended(during)
+
+    def _ended(self, during: str) -> Exception:
+        """The worker is gone: stop what is left of it and say how it ended."""
+        from ._adapters import AdapterError
+
+        code = None if self._proc is None else self._proc.exitcode
+        self.stop()
+        return AdapterError(self.spec, f"the worker process {_describe_exit(code)} while "
+                            f"{during}", expected="a returned result",
+                            got="no result (the process ended)")
 
     def invoke(self, inputs: Mapping[str, Any]) -> Any:
         """One call of the target on ``inputs`` in the worker; restarts a dead worker first."""
