@@ -26,8 +26,6 @@ import numpy as np
 
 from ._tolerance import Precision, least_precise
 
-KINDS = ("model", "kernel")
-
 
 class AdapterError(Exception):
     """The adapter could not be loaded, raised, or returned something unusable."""
@@ -56,6 +54,8 @@ def _adapter_error(adapter: str, problem: str, key: str | None, expected: str | 
 
 def resolve(spec: str, kind: str) -> Callable[..., Any]:
     """Turn a target spec (built-in name or ``module:attr``) into a callable of ``kind``."""
+    from ._kinds import KINDS  # the kind table (it imports this module, so not at the top)
+
     if kind not in KINDS:
         raise AdapterError(spec, f"unknown kind {kind!r}", expected=" or ".join(KINDS), got=kind)
     if ":" not in spec:

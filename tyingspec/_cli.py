@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ._kinds import KIND_NAMES
 from ._options import (
     DEFAULT_SHRINK_BUDGET,
     DEFAULT_TIMEOUT,
@@ -31,7 +32,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                     "batches and diagnose each. Exit 0 all correct, 1 a gradient is wrong, "
                     "2 usage or adapter error.")
     p.add_argument("target", nargs="?", help="built-in name or module:attr")
-    p.add_argument("--kind", choices=("model", "kernel"), default="model",
+    p.add_argument("--kind", choices=KIND_NAMES, default="model",
                    help="adapter contract (default model)")
     p.add_argument("--precision", choices=("auto", "float64", "float32", "bfloat16", "float16"),
                    default="auto",

@@ -23,12 +23,13 @@ from typing import Any
 
 from ._adapters import AdapterError
 from ._cases import Case
+from ._kinds import KIND_NAMES
 from ._options import positive_int
 from ._options import seed as option_seed
 from ._registry import Implementation, builtins
 
 SCHEMA = "tyingspec.mutants/1"
-KINDS = ("model", "kernel")
+KINDS = KIND_NAMES
 DEFAULT_MAX_EXAMPLES = 30
 
 KILLED, SURVIVED, PASSED, FAILED, ERROR, NO_EVIDENCE = (
@@ -68,19 +69,15 @@ class Row:
     breaks: str | None
     expected: str
     cells: dict[str, Cell] = field(default_factory=dict)
+    # The kill label: the verdict `tyingspec check NAME` reaches on its standard cases (the
+    # engine both front ends share).  The smallest killing batch may carry a weaker label:
+    # shrunk to one present token, a padding mask *is* a missing input path.
+    label: str | None = None
 
     @property
     def correct(self) -> bool:
         return self.breaks is None
 
-    check_label: str | None = None  # what `tyingspec check NAME` concludes on its cases
-
-    @property
-    def label(self) -> str | None:
-        """The kill label: the verdict ``tyingspec check`` reaches on its standard cases (the
-        engine both front ends share).  The smallest killing batch may carry a weaker label:
-        shrunk to one present token, a padding mask *is* a missing input path."""
-        return self.check_label
     @property
     def killed_by(self) -> list[str]:
         return [p for p, c in self.cells.items() if c.failed]
@@ -247,7 +244,7 @@ def run_row(impl: Implementation, kind: str, *, max_examples: int,
     wanted = None if properties is None else set(properties)
     row = Row(impl.name, kind, impl.breaks, impl.expected)
     _mutants.reset_state()
-    row.check_label = check_target(impl.name, kind, 0, standard_cases(0),
+    row.label = check_target(impl.name, kind, 0, standard_cases(0),
                                    shrink_budget=0.0).diagnosis_label
     for prop in for_kind(kind):
         if wanted is None or prop.name in wanted:
@@ -371,7 +368,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "print the kill matrix (mutant x property), the mutation score and the smallest batch "
         "that killed each mutant. Exit 0 when the score is 100% and every correct "
         "implementation passes, 1 otherwise.")
-    p.add_argument("--kind", choices=("model", "kernel", "all"), default="all",
+    p.add_argument("--kind", choices=(*KIND_NAMES, "all"), default="all",
                    help="adapter kinds to run (default: all)")
     p.add_argument("--json", metavar="PATH", help=f"write a {SCHEMA} JSON report")
     p.add_argument("--max-examples", type=positive_int, default=DEFAULT_MAX_EXAMPLES,
