@@ -20,7 +20,9 @@ Label = Literal["correct", "no_power", "forward_mismatch", "precision_limited",
                 "input_path_missing", "output_path_missing", "output_path_overwritten",
                 "duplicates_not_accumulated", "path_scaled", "tie_is_a_copy",
                 "gradient_not_zeroed", "input_path_wrong", "output_path_wrong",
-                "other_gradient_wrong", "inputs_mutated", "unknown"]
+                "other_gradient_wrong", "inputs_mutated", "tie_lost", "optimizer_sees_tie_twice",
+                "gradient_assigned", "gradient_disagrees_with_forward", "padding_row_masked",
+                "unknown"]
 
 #: The named verdicts, in the order they are tried, with the sentence a person reads.
 LABELS: dict[Label, str] = {
@@ -48,6 +50,16 @@ LABELS: dict[Label, str] = {
                          "only the output path, are wrong (not by a constant factor)",
     "other_gradient_wrong": "dE is right but another output (loss, dW or db) is wrong",
     "inputs_mutated": "the gradients are right but the implementation wrote into its inputs",
+    "tie_lost": "tie lost: the tied weights are one Parameter, but a transformation a model "
+                "goes through (a load, a copy, a device move, a resize) leaves two",
+    "optimizer_sees_tie_twice": "the optimizer sees the tie twice: the tied Parameter is in "
+                                "its parameter groups twice, or one step moves it by two updates",
+    "gradient_assigned": "gradient assigned, not accumulated (`.grad =` instead of `+=`): "
+                         "micro-batches do not sum to the gradient of the whole batch",
+    "gradient_disagrees_with_forward": "the backward disagrees with the forward: directional "
+                                       "differences of the loss contradict these rows of dE",
+    "padding_row_masked": "padding row masked on both paths: padding_idx keeps the input path "
+                          "off row p, but the output path must still reach it",
     "unknown": "wrong, unexplained by the catalogue: see the wrong rows",
 }
 
