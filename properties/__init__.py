@@ -26,6 +26,7 @@ from . import _outputs  # noqa: F401
 from . import _hygiene  # noqa: F401
 from . import _tie  # noqa: F401
 from . import _kernel  # noqa: F401
+from . import _torch  # noqa: F401  (imports no torch: the call does, in the worker)
 # isort: on
 from tyingspec._strategies import cases, compositions
 

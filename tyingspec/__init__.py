@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ._strategies import cases
     from ._symbolic import symbolic_paths
     from ._tolerance import Precision, Tolerance, tolerance_for
+    from ._torch_target import TorchTarget
 
 _WHERE: dict[str, str] = {
     "AdapterError": "._adapters",
@@ -63,6 +64,7 @@ _WHERE: dict[str, str] = {
     "standard_cases": "._cases",
     "symbolic_paths": "._symbolic",
     "tolerance_for": "._tolerance",
+    "TorchTarget": "._torch_target",
 }
 
 __all__ = [
@@ -87,6 +89,7 @@ __all__ = [
     "Returned",
     "Target",
     "Tolerance",
+    "TorchTarget",
     "build",
     "call",
     "cases",

@@ -19,11 +19,12 @@ import importlib
 import inspect
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ._findings import Finding
 from ._tolerance import Precision, least_precise
 
 
@@ -59,18 +60,23 @@ def resolve(spec: str, kind: str) -> Callable[..., Any]:
     if kind not in KINDS:
         raise AdapterError(spec, f"unknown kind {kind!r}", expected=" or ".join(KINDS), got=kind)
     if ":" not in spec:
-        from ._registry import builtins  # only a built-in name loads the zoo
+        own = KINDS[kind].builtins
+        if own is not None:  # a kind with its own built-ins (torch: the model zoo)
+            known: Mapping[str, Any] = own()
+            fn = known.get(spec)
+        else:
+            from ._registry import builtins  # only a built-in name loads the zoo
 
-        known = builtins()
-        impl = known.get(spec)
-        if impl is None:
+            known = builtins()
+            impl = known.get(spec)
+            fn = None if impl is None else impl.adapter(kind)
+        if spec not in known:
             raise AdapterError(spec, "cannot be resolved",
                                expected="a built-in name (" + ", ".join(sorted(known))
                                + ") or module:attr", got=repr(spec))
-        fn = impl.adapter(kind)
         if fn is None:
             raise AdapterError(spec, f"built-in has no {kind} form")
-        return fn
+        return fn  # type: ignore[no-any-return]
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -148,6 +154,10 @@ class Returned:
     loss: float | None = None
     dW: np.ndarray | None = None
     db: np.ndarray | None = None
+    # kinds whose reference is observed where the target runs (torch): what was observed,
+    # and the named checks beyond rows (see tyingspec._findings)
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    findings: tuple[Finding, ...] = ()
 
 
 def _guarded_call(adapter: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -51,8 +51,13 @@ class Case:
     targets: tuple[int, ...] | None = None
     multiplicity: int | None = None  # for "multiplicity": copies of each repeated token
     e_scale: float = 1.0  # E is drawn as N(0, 1) * e_scale; 0 makes every path vanish (vacuous)
+    # False for a target that brings its own model (torch): only the tokens and targets are
+    # the case's; the probe model's res, s_in, bias and E do not apply
+    probe: bool = True
 
     def describe(self) -> str:
+        if not self.probe:
+            return f"V={self.V} d={self.d} N={self.N} seed={self.seed}"
         b = "with b" if self.bias else "no b"
         scale = "" if self.e_scale == 1.0 else f" e_scale={self.e_scale:g}"
         return (f"V={self.V} d={self.d} N={self.N} res={self.res:g} s_in={self.s_in:g} {b} "
@@ -166,6 +171,10 @@ SHAPE_E_SCALE = 0.02
 
 #: Standard cases whose point is their shape: ``--shape`` leaves them out.
 SHAPE_CASES = ("n-greater-than-v", "v-equals-1", "v-equals-d")
+
+#: Standard cases whose point is a setting of the probe model: a target with its own model
+#: (torch) leaves them out too.
+PROBE_CASES = ("res-zero", "s-in-not-1", "no-bias")
 
 
 def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], list[str]]:

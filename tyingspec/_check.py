@@ -22,6 +22,7 @@ from ._engine import (
     Target,
     load,
     observe,
+    shaped,
 )
 from ._options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT
 
@@ -166,13 +167,21 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case], *,
     ``timeout`` seconds per call).  ``on_result(result)`` is called as each case finishes."""
     report = CheckReport(spec, kind, seed, precision=precision)
     try:
-        target = load(spec, kind, precision, timeout=timeout, paths=paths)
+        target = load(spec, kind, precision, timeout=timeout, paths=paths, prepare=cases[:1])
     except AdapterError as exc:
         report.load_error = str(exc)
         return report
     try:
+        try:
+            cases, report.notes = shaped(target, cases)
+        except AdapterError as exc:
+            report.load_error = str(exc)
+            return report
+        # a model's batch shape is its own: a smaller batch is not one it takes
+        do_shrink = not target.table.own_shape
         for case in cases:
-            result = run_case(target, case, seed, shrink_budget=shrink_budget)
+            result = run_case(target, case, seed, shrink_budget=shrink_budget,
+                              do_shrink=do_shrink)
             report.results.append(result)
             if on_result is not None:
                 on_result(result)

@@ -179,15 +179,25 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._report import render_case, render_head, render_verdict
 
     # Each case is printed as soon as it is known: a job killed for time still shows what
-    # finished.
+    # finished.  Checks that do not depend on the batch are listed with the first case only.
+    seen: list[object] = []
+
+    def report_first(r: object) -> object:
+        if not seen:
+            seen.append(r)
+        return seen[0]
+
     print(render_head(args.target, args.kind, args.seed, args.precision, notes), flush=True)
     # Like `python -m` and uvicorn: a `module:attr` target is looked up from the current
     # directory, in the worker process that imports it (tyingspec's own imports never are).
     report = check_target(args.target, args.kind, args.seed, cases, precision=args.precision,
                           shrink_budget=args.shrink_budget, timeout=args.timeout,
                           paths=(os.getcwd(),),
-                          on_result=lambda r: print("\n".join(render_case(r)), flush=True))
-    report.notes = notes
+                          on_result=lambda r: print("\n".join(render_case(
+                              r, structural=r is report_first(r))), flush=True))
+    if report.notes:  # what the target itself decided (a torch model's shape)
+        print("\n".join(report.notes), flush=True)
+    report.notes = notes + report.notes
     if report.load_error:
         print(f"error: {report.load_error}")
     print(render_verdict(report), flush=True)

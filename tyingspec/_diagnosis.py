@@ -9,12 +9,15 @@ asks whether its own example *could* have told those apart from a correct gradie
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from ._probe import Array, Paths
 from ._tolerance import Precision, Tolerance, precision_of, row_tolerance
+
+if TYPE_CHECKING:
+    from ._findings import Finding
 
 Label = Literal["correct", "no_power", "forward_mismatch", "precision_limited",
                 "input_path_missing", "output_path_missing", "output_path_overwritten",
@@ -40,8 +43,8 @@ LABELS: dict[Label, str] = {
     "duplicates_not_accumulated": "duplicates not accumulated: rows of repeated tokens got fewer "
                                   "than all of their occurrences",
     "path_scaled": "path scaled: a path enters with a stray factor",
-    "tie_is_a_copy": "the tie is a copy: right at E, but after one SGD step the gradient is "
-                     "that of two matrices, each stepped with its own path's gradient",
+    "tie_is_a_copy": "the tie is a copy: the two uses are two tensors that started equal, "
+                     "each trained by its own path's gradient only",
     "gradient_not_zeroed": "gradient not zeroed: the second call returned the previous call's "
                            "gradient plus its own",
     "input_path_wrong": "input path wrong: rows of tokens absent from the batch are exactly "
@@ -134,6 +137,8 @@ class Diagnosis:
     scales: tuple[float, float] | None = None  # fitted (input, output) factors
     others: list[ArrayCheck] = field(default_factory=list)
     margin: float = 0.0  # worst row's error / its bound (<= 1: within)
+    findings: tuple[Finding, ...] = ()  # named checks beyond rows (the torch kind's)
+    rows_label: Label | None = None  # the rows' own label when a finding decided ``label``
 
     @property
     def precision(self) -> str:
@@ -174,6 +179,7 @@ class Diagnosis:
             "scales": None if self.scales is None else list(self.scales),
             "others": [{"name": c.name, "ok": c.ok, "max_abs_error": c.max_abs_error,
                         "max_rel_error": c.max_rel_error} for c in self.others],
+            **({"checks": [f.to_json() for f in self.findings]} if self.findings else {}),
         }
 
 

@@ -11,18 +11,22 @@ tests.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
+
+import numpy as np
 
 from ._adapters import Returned, call_kernel, call_model
 from ._cases import Batch, kernel_paths, model_reference
 from ._probe import Paths, forward_parts
 
-Kind = Literal["model", "kernel"]
+Kind = Literal["model", "kernel", "torch"]
 #: ``sgd_step``: again after E moved by one SGD step along the dE it returned (a model: a copied
-#: tie shows here); ``repeat``: again on the same inputs (a kernel: a stale workspace shows).
-SecondCall = Literal["sgd_step", "repeat"]
+#: tie shows here); ``repeat``: again on the same inputs (a kernel: a stale workspace shows);
+#: ``none``: the kind's call runs its own repeated passes (torch: fresh and micro-batch checks).
+SecondCall = Literal["sgd_step", "repeat", "none"]
 KIND_NAMES: tuple[Kind, ...] = get_args(Kind)
 
 Inputs = dict[str, Any]
@@ -39,9 +43,15 @@ class KindSpec:
     inputs: Callable[[Batch], Inputs]  # the arrays handed to the adapter for a batch
     invoke: Callable[[str, Callable[..., Any], Inputs], Returned]  # call and validate
     # the two-path reference for those inputs, for a check judged at the given precision
-    reference: Callable[[Batch, Inputs, str], Paths]
+    # (the call's result is passed too: a torch model's paths are observed where it runs)
+    reference: Callable[[Batch, Inputs, str, Returned | None], Paths]
     second_call: SecondCall  # how it is called a second time (see the engine)
     properties: tuple[str, ...]  # the properties that apply, in the order they are listed
+    # the kind's built-in targets by name (None: the shared registry of model/kernel forms)
+    builtins: Callable[[], dict[str, Any]] | None = None
+    # True when the batch shape (V, d, N) is the target's own (a model's vocabulary, width
+    # and context), asked of it before the first case (see ``tyingspec._engine.shape_of``)
+    own_shape: bool = False
 
 
 def _model_inputs(batch: Batch) -> Inputs:
@@ -49,7 +59,8 @@ def _model_inputs(batch: Batch) -> Inputs:
             "targets": batch.targets, "res": batch.res, "s_in": batch.s_in}
 
 
-def _model_reference(batch: Batch, inputs: Inputs, precision: str) -> Paths:
+def _model_reference(batch: Batch, inputs: Inputs, precision: str,
+                     returned: Returned | None) -> Paths:
     return model_reference(replace(batch, E=inputs["E"], b=inputs["b"],
                                    tokens=inputs["tokens"], targets=inputs["targets"]),
                            precision)
@@ -63,9 +74,46 @@ def _kernel_inputs(batch: Batch) -> Inputs:
             "vocab_size": batch.E.shape[0]}
 
 
-def _kernel_reference(batch: Batch, inputs: Inputs, precision: str) -> Paths:
+def _kernel_reference(batch: Batch, inputs: Inputs, precision: str,
+                      returned: Returned | None) -> Paths:
     return kernel_paths(inputs["tokens"], inputs["dx"], inputs["h"], inputs["g"],
                         inputs["vocab_size"], precision)
+
+
+def _torch_inputs(batch: Batch) -> Inputs:
+    # the model's initialisation is drawn from the tokens: a replay of the case rebuilds it
+    seed = zlib.crc32(np.ascontiguousarray(batch.tokens, dtype=np.int64).tobytes())
+    return {"tokens": batch.tokens, "targets": batch.targets, "seed": seed}
+
+
+def _torch_invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
+    from ._torch_adapter import call_torch  # imports torch: only where a torch target runs
+
+    return call_torch(spec, fn, inputs)
+
+
+def _torch_reference(batch: Batch, inputs: Inputs, precision: str,
+                     returned: Returned | None) -> Paths:
+    if returned is None:
+        raise ValueError("a torch model's reference is observed in its call: pass the call's "
+                         "result")
+    ev = returned.evidence
+    V, d = int(ev["tie"]["vocab"]), int(ev["tie"]["width"])
+    loss = 0.0 if returned.loss is None else returned.loss
+    if ev.get("observed_by") == "hooks":
+        paths = kernel_paths(ev["tokens"], ev["dx"], ev["h"], ev["g"], V, "float64")
+        return replace(paths, loss=loss)
+    # The uses could not be observed (see tyingspec._torch_adapter): the rows are the model's
+    # own, split as its backward split them, and the verdict is the forward's (a finding).
+    own = np.asarray(returned.dE, dtype=np.float64)
+    return Paths(loss=loss, dE_in=ev["dE_in"], dE_out=own - ev["dE_in"], dW=np.zeros((0, 0)),
+                 db=None, per_position=np.zeros((0, d)), tokens=np.zeros(0, dtype=np.int64))
+
+
+def _torch_builtins() -> dict[str, Any]:
+    from . import _torch_zoo
+
+    return {name: getattr(_torch_zoo, b.attr) for name, b in _torch_zoo.TORCH_BUILTINS.items()}
 
 
 KINDS: dict[Kind, KindSpec] = {
@@ -87,6 +135,15 @@ KINDS: dict[Kind, KindSpec] = {
                     "relabelling_permutes_rows", "micro_batches_accumulate",
                     "inputs_untouched", "same_call_same_gradient", "linear_in_dx",
                     "linear_in_g")),
+    "torch": KindSpec(
+        name="torch",
+        contract="make_model() -> nn.Module (a fresh one per call), or a tyingspec.TorchTarget",
+        positional=(), keywords=(), inputs=_torch_inputs, invoke=_torch_invoke,
+        reference=_torch_reference, second_call="none",
+        properties=("torch_tie_identity", "torch_optimizer_sees_tie_once",
+                    "torch_gradient_by_path", "torch_gradient_against_forward",
+                    "torch_fresh_gradient", "torch_micro_batches_accumulate"),
+        builtins=_torch_builtins, own_shape=True),
 }
 
 

@@ -41,6 +41,7 @@ def diagnosis_lines(d: Diagnosis, *, stage: str = "first call",
     """The diagnosis block: label and sentence, other outputs, rows, causes, power, numbers."""
     when = "" if stage == "first call" else f" ({stage} of E with the returned dE)"
     lines = [f"diagnosis{when}: {d.label}: {d.headline()}"]
+    lines += finding_lines(d, indent="")
     lines += [o.describe() for o in d.others if not o.ok]
     if mutated:
         lines.append(f"the adapter modified its inputs: {', '.join(mutated)}")
@@ -52,6 +53,22 @@ def diagnosis_lines(d: Diagnosis, *, stage: str = "first call",
                  f"abs error {d.max_abs_error:.3g}, max rel error {d.max_rel_error:.3g} under "
                  f"{d.tolerance.describe()}")
     return [indent + line for line in lines]
+
+
+#: Checks that do not depend on the batch (run once per target, listed once per report).
+STRUCTURAL = ("identity", "optimizer")
+
+
+def finding_lines(d: Diagnosis, indent: str = "  ", *, structural: bool = True) -> list[str]:
+    """One line per named check beyond rows: outcome, check, the invariant, what was seen."""
+    mark = {"passed": "ok  ", "failed": "FAIL", "not_applicable": "n/a "}
+    shown = [f for f in d.findings if structural or f.failed
+             or not f.check.startswith(STRUCTURAL)]
+    lines = [f"{indent}{mark[f.outcome]} {f.check} [{f.invariant}]"
+             + (f": {f.detail}" if f.detail else "") for f in shown]
+    if len(shown) < len(d.findings):
+        lines.append(f"{indent}(identity and optimizer checks: as listed for the first case)")
+    return lines
 
 
 def batch_lines(case: Case, indent: str = "  ") -> list[str]:

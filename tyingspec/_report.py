@@ -18,7 +18,7 @@ from typing import Any
 
 from ._check import CaseResult, CheckReport
 from ._files import atomic_write
-from ._render import diagnosis_lines, exact_cell, power_text, rows_text
+from ._render import diagnosis_lines, exact_cell, finding_lines, power_text, rows_text
 
 __all__ = ["SCHEMA", "as_json", "exact_cell", "render", "render_case", "rows_text",
            "write_json"]
@@ -26,7 +26,9 @@ __all__ = ["SCHEMA", "as_json", "exact_cell", "render", "render_case", "rows_tex
 SCHEMA = "tyingspec.check/1"
 
 
-def render_case(r: CaseResult) -> list[str]:
+def render_case(r: CaseResult, *, structural: bool = True) -> list[str]:
+    """A case's lines; ``structural=False`` leaves out batch-independent checks (a torch
+    model's identity and optimizer checks, run once) that an earlier case already listed."""
     head = {"correct": "ok", "no_power": "NO POWER", "wrong": "WRONG",
             "adapter_error": "ADAPTER ERROR"}[r.status]
     lines = [f"case {r.case.name} ({r.case.describe()}): {head}"]
@@ -38,6 +40,7 @@ def render_case(r: CaseResult) -> list[str]:
     elif d is not None:
         lines.append(f"  {power_text(d)}; judged at {d.precision}, worst row {d.margin:.3g}x "
                      "its rounding bound")
+        lines += finding_lines(d, structural=structural)
     if r.shrunk is not None:
         lines.append(f"  smallest failing batch: tokens={list(r.shrunk.tokens or ())} "
                      f"targets={list(r.shrunk.targets or ())}"

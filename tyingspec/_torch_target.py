@@ -42,3 +42,7 @@ class TorchTarget:
     retie: Callable[[Any], None] | None = None
     batch_size: int = 2
     seq_len: int | None = None
+
+    def __call__(self) -> Any:
+        """A fresh model: a target is a factory like any other."""
+        return self.model()

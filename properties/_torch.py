@@ -1,0 +1,103 @@
+"""The torch kind's properties: a user's own ``nn.Module``, one invariant each.
+
+Each draws a batch composition (its shape is the model's own: vocabulary, width, batch x
+context) and observes the model once through the engine; the call runs every check, and each
+property asserts its own.  Identity and optimizer checks do not depend on the batch and run once
+per worker process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from tyingspec._cases import Case
+from tyingspec._engine import Observation, Target, observe, own_case
+from tyingspec._findings import Finding
+from tyingspec._strategies import cases
+
+from ._core import PropertyFailure, register, require_power
+
+#: Compositions a model's fixed shape can always hold (N may exceed V: no "distinct" there).
+TORCH_COMPOSITIONS = ("random", "distinct", "repeats", "one-token", "with-zero", "no-zero",
+                      "sparse")
+
+
+def torch_cases() -> st.SearchStrategy[Case]:
+    """A composition and a seed; V, d and N are the model's (set when the case is run)."""
+    return cases(max_vocab=48, min_vocab=8, dtypes=("float64",),
+                 compositions=TORCH_COMPOSITIONS, degenerate=False)
+
+
+def _observed(target: Target, case: Case) -> Observation:
+    return observe(target, own_case(target, case))
+
+
+def _fail_on(prop: str, o: Observation, prefixes: tuple[str, ...]) -> None:
+    bad: list[Finding] = [f for f in o.diagnosis.findings
+                          if f.failed and f.check.startswith(prefixes)]
+    if bad:
+        f = bad[0]
+        diag = replace(o.diagnosis, label=f.label or "unknown", detail=f"{f.check}: {f.detail}")
+        raise PropertyFailure(prop, f"{f.check}: {f.invariant} does not hold", o.case,
+                              diagnosis=diag)
+
+
+@register("torch_tie_identity", "ID", torch_cases)
+def torch_tie_identity(target: Target, case: Case) -> None:
+    """The tied weights are one Parameter with one storage, at construction and after a deep
+    copy, a dtype move, state-dict and safetensors round trips, assign=True loading and
+    meta-device initialisation (each with the model's re-tie), a vocabulary resize and an
+    optimizer step."""
+    _fail_on("torch_tie_identity", _observed(target, case), ("tie discovered", "identity"))
+
+
+@register("torch_optimizer_sees_tie_once", "ID", torch_cases)
+def torch_optimizer_sees_tie_once(target: Target, case: Case) -> None:
+    """SGD, AdamW and the target's own optimizer hold the tied Parameter once, keep one state
+    slot for it and move it by exactly one update per step."""
+    _fail_on("torch_optimizer_sees_tie_once", _observed(target, case), ("optimizer",))
+
+
+@register("torch_gradient_by_path", "SUM", torch_cases)
+def torch_gradient_by_path(target: Target, case: Case) -> None:
+    """The tied Parameter's own gradient (the model's backward, hooks and custom Functions
+    included) equals, row by row, the input path's scatter-add of dx plus the output path's
+    g.T @ h, both observed at the tie's two uses in float64 (padding_idx honoured)."""
+    o = _observed(target, case)
+    _fail_on("torch_gradient_by_path", o, ("tie discovered",))
+    label = o.diagnosis.rows_label or o.diagnosis.label
+    if label in ("correct", "no_power"):
+        require_power(replace(o.diagnosis, label=label))
+        return
+    diag = o.diagnosis if o.diagnosis.rows_label is None else \
+        replace(o.diagnosis, label=label, detail="")
+    if o.diagnosis.label == "padding_row_masked":
+        diag = o.diagnosis
+    raise PropertyFailure("torch_gradient_by_path", "the tied gradient is not the sum of its "
+                          "two paths", o.case, diagnosis=diag)
+
+
+@register("torch_gradient_against_forward", "SUM", torch_cases)
+def torch_gradient_against_forward(target: Target, case: Case) -> None:
+    """The tied gradient agrees with directional central differences of the loss: a backward
+    wrong in both uses (a custom autograd.Function) cannot vouch for itself.  Rows are
+    localised by group testing (O(k log V) forward pairs for k wrong rows)."""
+    _fail_on("torch_gradient_against_forward", _observed(target, case),
+             ("gradient against the forward",))
+
+
+@register("torch_fresh_gradient", "ACC", torch_cases)
+def torch_fresh_gradient(target: Target, case: Case) -> None:
+    """Two backward passes, each after zero_grad(), give the same tied gradient: no buffer
+    behind it survives zeroing."""
+    _fail_on("torch_fresh_gradient", _observed(target, case), ("fresh gradient",))
+
+
+@register("torch_micro_batches_accumulate", "ACC", torch_cases)
+def torch_micro_batches_accumulate(target: Target, case: Case) -> None:
+    """k micro-batches (backward of loss / k each) sum to the gradient of one batch holding
+    them all: the tied gradient is added to (`+=`), never assigned (`.grad =`)."""
+    _fail_on("torch_micro_batches_accumulate", _observed(target, case),
+             ("micro-batches accumulate",))

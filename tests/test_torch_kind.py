@@ -1,0 +1,175 @@
+"""The torch kind: a user's own nn.Module checked through the engine, the CLI and the plugin.
+
+Every built-in of the torch zoo (tyingspec._torch_zoo, whose own tests prove each bug with
+plain torch) must reach its expected label through ``tyingspec check --kind torch``, with a
+replay line, and through the property suite.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tyingspec import standard_cases
+from tyingspec._check import check_target
+from tyingspec._cli import main
+from tyingspec._engine import load, observe, own_case
+from tyingspec._kinds import KINDS
+from tyingspec._torch_zoo import TORCH_BUILTINS
+from tyingspec.properties import PROPERTIES, PropertyFailure
+
+BUILTINS = sorted(TORCH_BUILTINS)
+BROKEN = [n for n in BUILTINS if TORCH_BUILTINS[n].breaks is not None]
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_every_torch_builtin_gets_its_label_from_check(name: str) -> None:
+    b = TORCH_BUILTINS[name]
+    report = check_target(name, "torch", 0, standard_cases(0))
+    assert report.load_error is None
+    labels = {r.diagnosis.label for r in report.results if r.diagnosis is not None}
+    if b.breaks is None:
+        assert report.exit_code == 0, [(r.case.name, r.diagnosis and r.diagnosis.headline())
+                                       for r in report.results]
+        assert labels == {"correct"}
+    else:
+        assert report.exit_code == 1
+        assert report.diagnosis_label == b.expected, labels
+        wrong = [r for r in report.results if r.status == "wrong"]
+        assert all(f"tyingspec check {name} --kind torch" in r.replay for r in wrong)
+
+
+def test_the_model_shape_is_the_models_own() -> None:
+    report = check_target("gpt2", "torch", 0, standard_cases(0))
+    case = report.results[0].case
+    assert (case.V, case.d, case.N) == (61, 16, 2 * 8)
+    assert any("V=61 d=16 N=16" in n for n in report.notes)
+    # the probe model's settings do not apply to a model that brings its own
+    assert {r.case.name for r in report.results} == {
+        "absent-tokens", "repeated-tokens", "one-token-repeated", "token-zero"}
+
+
+def test_each_check_is_named_with_its_invariant_in_the_report(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "nanogpt", "--kind", "torch", "--case", "repeated-tokens"]) == 0
+    out = capsys.readouterr().out
+    for check in ("tie discovered", "identity after deepcopy",
+                  "identity after load_state_dict(assign=True) + re-tie",
+                  "identity after a safetensors round trip", "optimizer AdamW",
+                  "gradient against the forward", "fresh gradient", "micro-batches accumulate"):
+        assert check in out
+    assert "[the embedding and the head are one Parameter with one storage]" in out
+    assert "forward evaluations" in out
+
+
+def test_a_copy_tie_report_leads_with_the_diagnosis(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "r.json"
+    code = main(["check", "nanogpt-copy-tie", "--kind", "torch", "--case", "repeated-tokens",
+                 "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert code == 1
+    diag_line = next(i for i, line in enumerate(out.splitlines()) if "diagnosis:" in line)
+    rows_line = next(i for i, line in enumerate(out.splitlines()) if "rows:" in line)
+    assert diag_line < rows_line
+    assert "tie_is_a_copy" in out and "two Parameters" in out
+    assert "replay: tyingspec check nanogpt-copy-tie --kind torch" in out
+    payload = json.loads(out_json.read_text())
+    checks = payload["cases"][0]["diagnosis"]["checks"]
+    assert checks[0]["check"] == "tie discovered" and checks[0]["outcome"] == "failed"
+    assert checks[0]["label"] == "tie_is_a_copy"
+
+
+def test_a_model_without_a_tie_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "untied_model.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wte = nn.Embedding(11, 4)
+                self.lm_head = nn.Linear(4, 11, bias=False)
+            def forward(self, idx):
+                return self.lm_head(torch.tanh(self.wte(idx)))
+        def make():
+            return M()
+    """))
+    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "untied_model:make",
+                          "--kind", "torch"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "found no tie" in run.stdout
+
+
+def test_a_user_module_runs_isolated_with_a_torch_target_spec(tmp_path: Path) -> None:
+    # a plain logits model named through TorchTarget: the default loss convention applies
+    (tmp_path / "plain_model.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from tyingspec import TorchTarget
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(13, 6)
+                self.out = nn.Linear(6, 13, bias=True)
+                self.out.weight = self.emb.weight
+            def forward(self, idx):
+                return self.out(torch.tanh(self.emb(idx)))
+        target = TorchTarget(model=M, batch_size=2, seq_len=5)
+    """))
+    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "plain_model:target",
+                          "--kind", "torch"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "V=13 d=6 N=10" in run.stdout
+
+
+def test_the_torch_kind_lists_its_own_properties() -> None:
+    props = KINDS["torch"].properties
+    assert all(PROPERTIES[p].kinds == ("torch",) for p in props)
+    assert "sum_of_paths" not in props
+
+
+@pytest.mark.parametrize("name,prop", [
+    ("nanogpt-grad-assigned", "torch_micro_batches_accumulate"),
+    ("nanogpt-grad-not-zeroed", "torch_fresh_gradient"),
+    ("nanogpt-embedding-no-accumulate", "torch_gradient_against_forward"),
+    ("nanogpt-optimizer-both-names", "torch_optimizer_sees_tie_once"),
+    ("nanogpt-retie-clones", "torch_tie_identity"),
+])
+def test_each_torch_property_fails_its_bug_and_passes_the_correct_model(name: str,
+                                                                        prop: str) -> None:
+    case = next(c for c in standard_cases(0) if c.name == "repeated-tokens")
+    broken, good = load(name, "torch"), load("nanogpt", "torch")
+    with pytest.raises(PropertyFailure) as info:
+        PROPERTIES[prop].check(broken, case)
+    assert info.value.label == TORCH_BUILTINS[name].expected
+    PROPERTIES[prop].check(good, case)
+
+
+def test_padding_idx_is_honoured_not_reported() -> None:
+    target = load("nanogpt-padding", "torch")
+    for case in standard_cases(0)[:4]:
+        o = observe(target, own_case(target, case))
+        assert o.label == "correct", o.diagnosis.headline()
+
+
+PLUGIN_ADAPTERS = [("nanogpt", 0, None), ("nanogpt-grad-assigned", 1, "gradient_assigned")]
+
+
+@pytest.mark.parametrize("adapter,code,label", PLUGIN_ADAPTERS)
+def test_the_plugin_runs_the_torch_properties(tmp_path: Path, adapter: str, code: int,
+                                              label: str | None) -> None:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                          f"--tyingspec-adapter={adapter}", "--tyingspec-kind=torch",
+                          "--tyingspec-max-examples=5"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == code, run.stdout[-3000:]
+    assert "torch_micro_batches_accumulate" in run.stdout
+    if label is not None:
+        assert label in run.stdout and "--tyingspec-replay=" in run.stdout
