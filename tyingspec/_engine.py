@@ -23,7 +23,7 @@ One observation:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
@@ -67,11 +67,14 @@ class Target:
     fn: Callable[..., Any]
     precision: PrecisionChoice = "auto"
     worker: Worker | None = None  # a module:attr target runs in its own process
+    # first calls whose batch (and reference) were built while the worker loaded, by case
+    _prepared: dict[Case, _Prepared] = field(default_factory=dict, compare=False, repr=False)
 
     def close(self) -> None:
         """Stop the target's worker process, if it has one."""
+        self._prepared.clear()
         if self.worker is not None:
-            self.worker.stop()
+            self.worker.stop(wait=False)  # its exit overlaps whatever this process does next
 
     @property
     def table(self) -> KindSpec:
@@ -85,27 +88,55 @@ class Target:
         printer.text(repr(self))
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A first call's batch, inputs and (when its precision is declared) reference, built
+    while the worker loaded (see :func:`load`)."""
+
+    case: Case  # tokens and targets spelled out
+    batch: Batch
+    inputs: dict[str, Any]
+    paths: Paths | None
+
+
+#: Kinds whose reference is a function of the inputs and the precision alone (a torch model's
+#: is observed in its call): with a declared precision, the first call's is built while the
+#: worker loads.  Not while it runs a call: on two cores numpy's and torch's thread pools then
+#: slow each other down by about what the overlap saves (measured: no gain at GPT-2 size).
+_REFERENCE_FIRST = ("model", "kernel")
+
+
 def _remote(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("this target runs in its worker process: use tyingspec's engine.call")
 
 
 def load(spec: str, kind: str, precision: PrecisionChoice = "auto", *,
          isolate: bool = True, timeout: float = DEFAULT_TIMEOUT,
-         paths: tuple[str, ...] = ()) -> Target:
+         paths: tuple[str, ...] = (), prepare: Sequence[Case] = ()) -> Target:
     """Resolve ``spec`` as an adapter of ``kind``; its signature is compared with the kind's
     contract before any call, and a mismatch says which kind it looks like.
 
     A ``module:attr`` target is imported and called in a worker process (``isolate``), with
     ``paths`` put first on its ``sys.path`` and each call limited to ``timeout`` seconds;
-    built-in targets run in-process.  Call :meth:`Target.close` when done."""
+    built-in targets run in-process.  While the worker imports the target (a second or more
+    for a module that imports torch), the first calls of the ``prepare`` cases are built: their
+    batches, and their references when the precision is declared.  Call :meth:`Target.close`
+    when done."""
     try:
         table = kind_spec(kind)
     except ValueError as exc:
         raise AdapterError(spec, str(exc)) from None
     worker: Worker | None = None
+    prepared: dict[Case, _Prepared] = {}
     if isolate and ":" in spec:
         worker = Worker(spec, table.name, timeout, paths)
-        worker.start()
+        worker.launch()
+        try:
+            _prepare(Target(spec, table.name, _remote, precision, worker, prepared), prepare)
+            worker.wait_loaded()
+        except BaseException:
+            worker.stop()
+            raise
         fn: Callable[..., Any] = _remote
         problem, fits = worker.signature_problem, worker.fits
     else:
@@ -120,7 +151,30 @@ def load(spec: str, kind: str, precision: PrecisionChoice = "auto", *,
                 f"rerun with --kind {fits[0]}") if fits else ""
         raise AdapterError(spec, f"does not match the {kind} contract{hint}",
                            expected=table.contract, got=problem)
-    return Target(spec, table.name, fn, precision, worker)
+    return Target(spec, table.name, fn, precision, worker, prepared)
+
+
+def _prepare(target: Target, cases: Sequence[Case]) -> None:
+    """Build the first calls of ``cases`` while ``target``'s worker is still loading.  An error
+    the worker already reported ends the load at once; a case that cannot be built is left
+    for its first call, to fail where it always did."""
+    assert target.worker is not None
+    if target.table.own_shape or target.kind not in _REFERENCE_FIRST:
+        return
+    for case in cases:
+        try:
+            spelled, batch = batch_for(target, case)
+            inputs = target.table.inputs(batch)
+        except Exception:  # noqa: BLE001  (raised again by the first call)
+            return
+        target.worker.wait_loaded(block=False)
+        paths = None
+        if target.precision != "auto":
+            try:
+                paths = target.table.reference(batch, inputs, target.precision, None)
+            except Exception:  # noqa: BLE001  (raised again by the first call)
+                paths = None
+        target._prepared[case] = _Prepared(spelled, batch, inputs, paths)
 
 
 def declared(target: Target, case: Case) -> Case:
@@ -151,14 +205,17 @@ def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
 
 
 def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
-            ) -> tuple[dict[str, Any], Returned, Paths, Precision]:
+            paths: Paths | None = None) -> tuple[dict[str, Any], Returned, Paths, Precision]:
     """One call and its reference on the same inputs, built once (a kernel's are a whole
-    forward pass of the probe model)."""
+    forward pass of the probe model); ``paths``: the reference, already built at the declared
+    precision."""
     if inputs is None:
         inputs = target.table.inputs(batch)
     returned = _invoke(target, inputs)
     precision = precision_for(target, returned)
-    return inputs, returned, target.table.reference(batch, inputs, precision), precision
+    if paths is None:
+        paths = target.table.reference(batch, inputs, precision, returned)
+    return inputs, returned, paths, precision
 
 
 def precision_for(target: Target, *returned: Returned) -> Precision:
@@ -261,8 +318,14 @@ def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
 
 def first_call(target: Target, case: Case) -> Observation:
     """Steps 1-5 of the module docstring: one call, judged."""
-    case, batch = batch_for(target, case)
-    inputs, returned, paths, precision = _called(target, batch)
+    prepared = target._prepared.pop(case, None)
+    if prepared is None:
+        case, batch = batch_for(target, case)
+        inputs, returned, paths, precision = _called(target, batch)
+    else:
+        case, batch = prepared.case, prepared.batch
+        inputs, returned, paths, precision = _called(target, batch, prepared.inputs,
+                                                     prepared.paths)
     return Observation(case, batch, returned, paths, precision,
                        judge(returned, paths, precision), inputs=inputs)
 
@@ -275,8 +338,10 @@ _LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Paths]] = {}
 def _remember(target: Target, obs: Observation) -> Observation:
     key = (target.spec, target.kind, tuple(obs.returned.dE.shape))
     previous = _LAST.get(key)
-    # a copy in its own dtype (an adapter may reuse its buffer); float64 only if ever compared
-    _LAST[key] = (np.array(obs.returned.dE, copy=True), obs.paths)
+    # a copy in its own dtype (an adapter may reuse its buffer); float64 only if ever compared.
+    # A worker's dE is already this process's own copy (see Worker.collect).
+    dE = obs.returned.dE
+    _LAST[key] = (dE if target.worker is not None else np.array(dE, copy=True), obs.paths)
     if previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated":
         return obs
     stale = _stale(obs.diagnosis, previous, obs.returned, obs.paths, obs.precision)
