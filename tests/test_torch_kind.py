@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tyingspec.properties import PROPERTIES, PropertyFailure
 
 from tyingspec import standard_cases
 from tyingspec._check import check_target
@@ -21,7 +22,6 @@ from tyingspec._cli import main
 from tyingspec._engine import load, observe, own_case
 from tyingspec._kinds import KINDS
 from tyingspec._torch_zoo import TORCH_BUILTINS
-from tyingspec.properties import PROPERTIES, PropertyFailure
 
 BUILTINS = sorted(TORCH_BUILTINS)
 BROKEN = [n for n in BUILTINS if TORCH_BUILTINS[n].breaks is not None]

@@ -30,7 +30,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from ._adapters import AdapterError, Returned, resolve, signature_problem
-from ._cases import Batch, Case, build, sgd_step
+from ._cases import PROBE_CASES, Batch, Case, at_shape, build, sgd_step
 from ._diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
 from ._isolation import DEFAULT_TIMEOUT, Worker
 from ._kinds import KINDS, Kind, KindSpec, kind_spec
@@ -201,7 +201,7 @@ def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
     """The two-path reference for the inputs :func:`call` hands over, for a check judged at
     ``precision`` (float64 arithmetic, or float32 at large shapes judged at float32 or below;
     see ``tyingspec._cases.working_dtype``)."""
-    return target.table.reference(batch, target.table.inputs(batch) | overrides, precision)
+    return target.table.reference(batch, target.table.inputs(batch) | overrides, precision, None)
 
 
 def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
@@ -277,7 +277,82 @@ def judge(returned: Returned, paths: Paths, precision: Precision) -> Diagnosis:
             diag = replace(diag, label="precision_limited", detail=(
                 f"every row within the {lower} bound, beyond the {precision} bound (worst row "
                 f"{diag.margin:.3g}x its {precision} bound); rerun with --precision {lower}"))
-    return diag
+    return _with_findings(diag, returned)
+
+
+#: Checks a wrong row outranks: they test the gradient too, and the row diagnosis says more.
+_AFTER_ROWS = ("gradient against the forward", "fresh gradient", "micro-batches accumulate")
+
+
+def _with_findings(diag: Diagnosis, returned: Returned) -> Diagnosis:
+    """The verdict of a call that ran named checks beyond rows (the torch kind): a broken tie,
+    identity or optimizer outranks the rows; the rows outrank the other gradient checks."""
+    if not returned.findings:
+        return diag
+    pad = returned.evidence.get("tie", {}).get("padding_idx")
+    if pad is not None and diag.wrong and diag.wrong_rows == [pad]:
+        row = np.asarray(returned.dE[pad], dtype=np.float64)
+        if not np.any(row):
+            diag = replace(diag, label="padding_row_masked", detail=(
+                f"row {pad} (padding_idx) is zero, but the output path reaches it; "
+                "padding_idx exempts the input path only"))
+    first = next((f for f in returned.findings if f.failed and f.check not in _AFTER_ROWS),
+                 None)
+    if first is None and not diag.wrong:
+        first = next((f for f in returned.findings if f.failed), None)
+    rows_label = diag.label
+    if first is not None:
+        diag = replace(diag, label=first.label or "unknown",
+                       detail=f"{first.check}: {first.detail}")
+    return replace(diag, findings=returned.findings, rows_label=rows_label)
+
+
+_SHAPES: dict[tuple[str, str], tuple[int, int, int] | None] = {}
+
+
+def own_case(target: Target, case: Case) -> Case:
+    """``case`` at the target's own shape (see :func:`shape_of`; asked once per target), its
+    composition and seed kept: how a property draws batches for a torch model."""
+    key = (target.spec, target.kind)
+    if key not in _SHAPES:
+        _SHAPES[key] = shape_of(target)
+    shape = _SHAPES[key]
+    if shape is None:
+        return case
+    V, d, N = shape
+    if case.tokens is not None:
+        return replace(case, V=V, d=d, N=len(case.tokens), probe=False)
+    composition = case.composition if case.composition != "distinct" or N <= V else "random"
+    distinct = None if case.distinct is None else min(case.distinct, V, N)
+    return replace(case, V=V, d=d, N=N, probe=False, e_scale=1.0, composition=composition,
+                   distinct=distinct, dtype="float64")
+
+
+def shape_of(target: Target) -> tuple[int, int, int] | None:
+    """A kind whose batch shape is the target's own (a torch model's vocabulary, width and
+    batch_size x seq_len): that shape, asked of the target; None for other kinds."""
+    if not target.table.own_shape:
+        return None
+    tie = _invoke(target, {"mode": "describe", "seed": 0}).evidence["tie"]
+    return int(tie["vocab"]), int(tie["width"]), int(tie["batch_size"]) * int(tie["seq_len"])
+
+
+def shaped(target: Target, cases: list[Case]) -> tuple[list[Case], list[str]]:
+    """The cases at the target's own shape (see :func:`shape_of`) and notes on what changed."""
+    shape = shape_of(target)
+    if shape is None:
+        return cases, []
+    V, d, N = shape
+    given = [replace(c, V=V, d=d, N=len(c.tokens or ()), probe=False)
+             for c in cases if c.tokens is not None]
+    kept, left_out = at_shape([c for c in cases if c.tokens is None and
+                               c.name not in PROBE_CASES], V, d, N)
+    left_out += [c.name for c in cases if c.tokens is None and c.name in PROBE_CASES]
+    kept = [replace(c, probe=False, e_scale=1.0) for c in kept] + given
+    notes = [f"the model's shape: V={V} d={d} N={N} (batch x sequence)"]
+    if left_out:
+        notes.append(f"left out at that shape: {', '.join(left_out)}")
+    return kept, notes
 
 
 def status_of(diag: Diagnosis) -> Status:
@@ -369,7 +444,7 @@ def observe(target: Target, case: Case, *, step: bool = True) -> Observation:
     step, or a repeat); returns the observation that decides the verdict (the second call's
     when it reveals a bug the first did not)."""
     first = _remember(target, first_call(target, case))
-    if not step or first.diagnosis.wrong:
+    if not step or first.diagnosis.wrong or target.table.second_call == "none":
         return first
     lr = 0.0
     batch = first.batch
@@ -385,7 +460,7 @@ def observe(target: Target, case: Case, *, step: bool = True) -> Observation:
         returned = _invoke(target, inputs)
         precision = precision_for(target, returned)
         paths = first.paths if precision == first.precision else \
-            target.table.reference(batch, inputs, precision)
+            target.table.reference(batch, inputs, precision, returned)
     else:
         inputs, returned, paths, precision = _called(target, batch)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
