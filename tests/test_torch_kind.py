@@ -173,3 +173,52 @@ def test_the_plugin_runs_the_torch_properties(tmp_path: Path, adapter: str, code
     assert "torch_micro_batches_accumulate" in run.stdout
     if label is not None:
         assert label in run.stdout and "--tyingspec-replay=" in run.stdout
+
+
+PADDED_ADAPTER = textwrap.dedent("""
+    import numpy as np
+    from tyingspec._probe import forward_parts
+    def _run(E, W, b, tokens, targets, res, s_in, pad, mask_out):
+        t = np.asarray(tokens).reshape(-1); y = np.asarray(targets).reshape(-1)
+        p = forward_parts(E, E, W, b, t, y, res, s_in)
+        rows = p.input_rows.copy()
+        if pad is not None:
+            rows[t == pad] = 0  # nn.Embedding(padding_idx=pad): no input path into row pad
+        dE = p.g.T @ p.h
+        np.add.at(dE, t, rows)
+        if mask_out and pad is not None:
+            dE[pad] = 0  # the bug: the output path masked too
+        return {"loss": p.loss, "dE": dE, "dW": p.dW, "db": p.db}
+    def good(E, W, b, tokens, targets, *, res=1.0, s_in=1.0, padding_idx=None):
+        return _run(E, W, b, tokens, targets, res, s_in, padding_idx, False)
+    def masked_both(E, W, b, tokens, targets, *, res=1.0, s_in=1.0, padding_idx=None):
+        return _run(E, W, b, tokens, targets, res, s_in, padding_idx, True)
+    def ignores_it(E, W, b, tokens, targets, *, res=1.0, s_in=1.0, padding_idx=None):
+        return _run(E, W, b, tokens, targets, res, s_in, None, False)
+""")
+
+
+@pytest.mark.parametrize("attr,code,label", [("good", 0, None),
+                                             ("masked_both", 1, "padding_row_masked"),
+                                             ("ignores_it", 1, None)])
+def test_the_probe_model_contract_takes_padding_idx(tmp_path: Path, attr: str, code: int,
+                                                    label: str | None) -> None:
+    (tmp_path / "padded.py").write_text(PADDED_ADAPTER)
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", f"padded:{attr}",
+                          "--padding-idx", "0", "--json", str(out)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == code, run.stdout[-2000:]
+    payload = json.loads(out.read_text())
+    if label is not None:
+        assert payload["diagnosis"] == label
+        assert "--padding-idx 0" in run.stdout  # the replay keeps the declaration
+    if attr == "ignores_it":  # an input path into row 0 where the model declared none
+        labels = {c.get("label") for c in payload["cases"]}
+        assert labels - {"correct", "no_power"}, labels
+    # without --padding-idx the adapter is not passed padding_idx: its unpadded contract holds
+    if attr == "good":
+        plain = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "padded:good",
+                                "--case", "token-zero"], cwd=tmp_path, capture_output=True,
+                               text=True, timeout=300)
+        assert plain.returncode == 0, plain.stdout[-2000:]

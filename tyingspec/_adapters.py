@@ -208,8 +208,10 @@ def _readable(adapter: str, read: Callable[[], Returned]) -> Returned:
 def call_model(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) -> Returned:
     """Call a model adapter on copies of ``inputs`` and validate every returned value."""
     c = _copies(inputs)
+    # padding_idx only when the case declares one: an adapter without it keeps its contract
+    extra = {"padding_idx": c["padding_idx"]} if "padding_idx" in c else {}
     out = _guarded_call(adapter, fn, c["E"], c["W"], c["b"], c["tokens"], c["targets"],
-                        res=c["res"], s_in=c["s_in"])
+                        res=c["res"], s_in=c["s_in"], **extra)
     return _readable(adapter, lambda: _model_returned(adapter, inputs, c, out))
 
 

@@ -54,10 +54,18 @@ class Case:
     # False for a target that brings its own model (torch): only the tokens and targets are
     # the case's; the probe model's res, s_in, bias and E do not apply
     probe: bool = True
+    # nn.Embedding(padding_idx=p) semantics: the input path never reaches row p (the output
+    # path still does); None: no padding row
+    padding_idx: int | None = None
 
     def describe(self) -> str:
         if not self.probe:
             return f"V={self.V} d={self.d} N={self.N} seed={self.seed}"
+        if self.padding_idx is not None:
+            return self._describe() + f" padding_idx={self.padding_idx}"
+        return self._describe()
+
+    def _describe(self) -> str:
         b = "with b" if self.bias else "no b"
         scale = "" if self.e_scale == 1.0 else f" e_scale={self.e_scale:g}"
         return (f"V={self.V} d={self.d} N={self.N} res={self.res:g} s_in={self.s_in:g} {b} "
@@ -77,6 +85,7 @@ class Batch:
     targets: IntArray
     res: float
     s_in: float
+    padding_idx: int | None = None
 
 
 def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
@@ -135,7 +144,7 @@ def build(case: Case) -> Batch:
     else:
         tokens = _tokens(case, rng).astype(np.int64)
         targets = rng.integers(case.V, size=case.N).astype(np.int64)
-    return Batch(E, W, b, tokens, targets, case.res, case.s_in)
+    return Batch(E, W, b, tokens, targets, case.res, case.s_in, case.padding_idx)
 
 
 def case_seed(base: int, name: str) -> int:
@@ -249,12 +258,26 @@ def model_reference(batch: Batch, precision: str = "float64") -> Paths:
     shapes, the closed form beyond them (float64, or float32 at large shapes judged at float32
     or below)."""
     if batch.E.size > SYMBOLIC_ENTRIES:
-        return closed_form(batch, working_dtype(batch.E.size * batch.tokens.shape[0], precision))
-    from ._symbolic import symbolic_paths
+        paths = closed_form(batch, working_dtype(batch.E.size * batch.tokens.shape[0],
+                                                 precision))
+    else:
+        from ._symbolic import symbolic_paths
 
-    return symbolic_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
-                          None if batch.b is None else batch.b.astype(np.float64),
-                          batch.tokens, batch.targets, batch.res, batch.s_in)
+        paths = symbolic_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
+                               None if batch.b is None else batch.b.astype(np.float64),
+                               batch.tokens, batch.targets, batch.res, batch.s_in)
+    return padded(paths, batch.padding_idx)
+
+
+def padded(paths: Paths, padding_idx: int | None) -> Paths:
+    """``paths`` under nn.Embedding(padding_idx=p) semantics: positions reading row p add
+    nothing to the input path (their forward is unchanged); the output path is untouched."""
+    if padding_idx is None:
+        return paths
+    rows = np.array(paths.per_position, copy=True)
+    rows[np.asarray(paths.tokens) == padding_idx] = 0
+    return replace(paths, per_position=rows, padding_idx=padding_idx,
+                   dE_in=scatter_rows(np.asarray(paths.tokens), rows, paths.dE_in.shape[0]))
 
 
 def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,

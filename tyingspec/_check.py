@@ -94,6 +94,8 @@ def replay_command(target: Target, base_seed: int, case: Case) -> str:
              str(base_seed), "--case", case.name]
     if target.precision != "auto":
         parts += ["--precision", target.precision]
+    if case.padding_idx is not None and case.probe:
+        parts += ["--padding-idx", str(case.padding_idx)]
     if case.tokens is not None and case.targets is not None:
         parts += ["--tokens", ",".join(map(str, case.tokens)),
                   "--targets", ",".join(map(str, case.targets))]

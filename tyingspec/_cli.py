@@ -41,6 +41,10 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--shape", type=shape, metavar="V,d,N",
                    help="run every case at this vocabulary, width and batch length, keeping "
                         "its composition (the cases defined by their shape are left out)")
+    p.add_argument("--padding-idx", type=int, default=None, metavar="P",
+                   help="a model kind adapter with nn.Embedding(padding_idx=P) semantics: it is "
+                        "passed padding_idx=P, and the input path is expected to skip row P "
+                        "(the output path still reaches it)")
     p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="seconds one call of the target may take before it is ended as an "
                         "adapter error (default %(default)g); the remaining cases still run")
@@ -156,6 +160,19 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if left_out:
             notes.append(f"--shape {','.join(map(str, args.shape))}: left out "
                          f"{', '.join(left_out)} (defined by their shape)")
+    if args.padding_idx is not None:
+        if args.kind != "model":
+            parser.error(f"--padding-idx applies to --kind model (a {args.kind} target "
+                         + ("declares its own padding_idx)" if args.kind == "torch" else
+                            "gets the rows it scatters as they are)"))
+        if args.padding_idx < 0:
+            parser.error(f"--padding-idx must be a row index >= 0, got {args.padding_idx}")
+        small = [c.name for c in cases if c.V <= args.padding_idx]
+        if small:
+            notes.append(f"--padding-idx {args.padding_idx}: left out {', '.join(small)} "
+                         "(no such row)")
+        cases = [replace(c, padding_idx=args.padding_idx) for c in cases
+                 if c.V > args.padding_idx]
     if args.case:
         chosen = [c for c in cases if c.name == args.case]
         if not chosen:

@@ -277,7 +277,18 @@ def judge(returned: Returned, paths: Paths, precision: Precision) -> Diagnosis:
             diag = replace(diag, label="precision_limited", detail=(
                 f"every row within the {lower} bound, beyond the {precision} bound (worst row "
                 f"{diag.margin:.3g}x its {precision} bound); rerun with --precision {lower}"))
-    return _with_findings(diag, returned)
+    return _with_findings(_padding(diag, returned, paths), returned)
+
+
+def _padding(diag: Diagnosis, returned: Returned, paths: Paths) -> Diagnosis:
+    """A declared padding row that is wrong alone and zero: its output path was masked too."""
+    pad = paths.padding_idx
+    if pad is not None and diag.wrong and diag.wrong_rows == [pad] and \
+            not np.any(np.asarray(returned.dE[pad], dtype=np.float64)):
+        return replace(diag, label="padding_row_masked", detail=(
+            f"row {pad} (padding_idx) is zero, but the output path reaches it; padding_idx "
+            "exempts the input path only"))
+    return diag
 
 
 #: Checks a wrong row outranks: they test the gradient too, and the row diagnosis says more.
@@ -289,13 +300,6 @@ def _with_findings(diag: Diagnosis, returned: Returned) -> Diagnosis:
     identity or optimizer outranks the rows; the rows outrank the other gradient checks."""
     if not returned.findings:
         return diag
-    pad = returned.evidence.get("tie", {}).get("padding_idx")
-    if pad is not None and diag.wrong and diag.wrong_rows == [pad]:
-        row = np.asarray(returned.dE[pad], dtype=np.float64)
-        if not np.any(row):
-            diag = replace(diag, label="padding_row_masked", detail=(
-                f"row {pad} (padding_idx) is zero, but the output path reaches it; "
-                "padding_idx exempts the input path only"))
     first = next((f for f in returned.findings if f.failed and f.check not in _AFTER_ROWS),
                  None)
     if first is None and not diag.wrong:

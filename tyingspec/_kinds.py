@@ -55,15 +55,18 @@ class KindSpec:
 
 
 def _model_inputs(batch: Batch) -> Inputs:
-    return {"E": batch.E, "W": batch.W, "b": batch.b, "tokens": batch.tokens,
-            "targets": batch.targets, "res": batch.res, "s_in": batch.s_in}
+    inputs: Inputs = {"E": batch.E, "W": batch.W, "b": batch.b, "tokens": batch.tokens,
+                      "targets": batch.targets, "res": batch.res, "s_in": batch.s_in}
+    if batch.padding_idx is not None:  # only a case that declares one passes it
+        inputs["padding_idx"] = batch.padding_idx
+    return inputs
 
 
 def _model_reference(batch: Batch, inputs: Inputs, precision: str,
                      returned: Returned | None) -> Paths:
     return model_reference(replace(batch, E=inputs["E"], b=inputs["b"],
-                                   tokens=inputs["tokens"], targets=inputs["targets"]),
-                           precision)
+                                   tokens=inputs["tokens"], targets=inputs["targets"],
+                                   padding_idx=inputs.get("padding_idx")), precision)
 
 
 def _kernel_inputs(batch: Batch) -> Inputs:
@@ -102,7 +105,7 @@ def _torch_reference(batch: Batch, inputs: Inputs, precision: str,
     loss = 0.0 if returned.loss is None else returned.loss
     if ev.get("observed_by") == "hooks":
         paths = kernel_paths(ev["tokens"], ev["dx"], ev["h"], ev["g"], V, "float64")
-        return replace(paths, loss=loss)
+        return replace(paths, loss=loss, padding_idx=ev["tie"]["padding_idx"])
     # The uses could not be observed (see tyingspec._torch_adapter): the rows are the model's
     # own, split as its backward split them, and the verdict is the forward's (a finding).
     own = np.asarray(returned.dE, dtype=np.float64)
@@ -119,7 +122,8 @@ def _torch_builtins() -> dict[str, Any]:
 KINDS: dict[Kind, KindSpec] = {
     "model": KindSpec(
         name="model",
-        contract="f(E, W, b, tokens, targets, *, res, s_in) -> {'loss', 'dE', 'dW', 'db'}",
+        contract="f(E, W, b, tokens, targets, *, res, s_in[, padding_idx]) -> "
+                 "{'loss', 'dE', 'dW', 'db'}",
         positional=("E", "W", "b", "tokens", "targets"), keywords=("res", "s_in"),
         inputs=_model_inputs, invoke=call_model, reference=_model_reference, second_call="sgd_step",
         properties=("sum_of_paths", "absent_rows_are_output_path", "repeated_tokens_accumulate",

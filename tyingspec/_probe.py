@@ -53,6 +53,7 @@ class Paths:
     per_position: Array  # [N, d] input-path contribution of each position
     tokens: IntArray
     terms: Terms | None = None  # what the rounding bound is built from (see _tolerance)
+    padding_idx: int | None = None  # the row the input path skips by declaration, if any
 
     @property
     def dE(self) -> Array:
