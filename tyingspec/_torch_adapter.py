@@ -41,6 +41,7 @@ Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 #: Identity and optimizer findings per target, run once per worker: they do not depend on the
 #: batch (each rebuilds the model from its factory), and they are the slow part of a call.
 _STRUCTURAL: dict[str, list[Finding]] = {}
+_SPEC: dict[str, str] = {}
 
 _U64 = float(np.finfo(np.float64).eps) / 2
 
@@ -64,6 +65,7 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     # the models a check builds are small: one thread avoids the cost of waking a pool per
     # operation (seen: 3 s against 0.05 s per call on a busy 2-core machine)
     torch.set_num_threads(1)
+    _SPEC["spec"] = spec  # named by an error raised deep in a check
     target = as_target(spec, fn)
     seed = int(inputs.get("seed", 0))
     model = build_model(spec, target, seed)
@@ -131,7 +133,7 @@ def _backward(m: nn.Module, loss_of: Loss, t: torch.Tensor, y: torch.Tensor,
               scale: float = 1.0) -> torch.Tensor:
     loss = loss_of(m, t, y)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise AdapterError("torch model", "the loss is not a scalar tensor",
+        raise AdapterError(_SPEC.get("spec", "torch model"), "the loss is not a scalar tensor",
                            expected="a 0-dim tensor", got=repr(loss)[:80])
     (loss * scale).backward()  # type: ignore[no-untyped-call]
     return loss

@@ -21,6 +21,7 @@ What torch 2.13.0 does, measured on a plain module tied by assignment
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import math
 import os
@@ -226,6 +227,13 @@ def _meta(factory: Callable[[], nn.Module], embedding: str, head: str,
                          f"meta-device init + to_empty(device='cpu') + {how[1]}")
 
 
+def _parameters(fn: Callable[..., Any]) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _resize(factory: Callable[[], nn.Module], embedding: str, head: str) -> Finding:
     check = "identity after resize_token_embeddings"
     invariant = _TIED + ", with the new vocabulary's rows"
@@ -235,7 +243,10 @@ def _resize(factory: Callable[[], nn.Module], embedding: str, head: str) -> Find
         return not_applicable(check, invariant,
                               "the model has no resize_token_embeddings() method")
     rows, width = model.get_parameter(embedding).shape
-    resize(rows + 8)
+    # transformers' mean_resizing draws the new rows from the old ones' covariance and says so
+    # on stderr; the tie is what is checked, so plain initialisation is asked for when offered
+    quiet = {"mean_resizing": False} if "mean_resizing" in _parameters(resize) else {}
+    resize(rows + 8, **quiet)
     after = f"resize_token_embeddings({rows + 8})"
     untied = _untied(model, embedding, head)
     if untied is not None:
