@@ -27,6 +27,7 @@ from . import _hygiene  # noqa: F401
 from . import _tie  # noqa: F401
 from . import _kernel  # noqa: F401
 from . import _torch  # noqa: F401  (imports no torch: the call does, in the worker)
+from . import _linear_ce  # noqa: F401
 # isort: on
 from tyingspec._strategies import cases, compositions
 

@@ -62,21 +62,20 @@ def resolve(spec: str, kind: str) -> Callable[..., Any]:
     if ":" not in spec:
         own = KINDS[kind].builtins
         if own is not None:  # a kind with its own built-ins (torch: the model zoo)
-            known: Mapping[str, Any] = own()
-            fn = known.get(spec)
+            known = own()
         else:
             from ._registry import builtins  # only a built-in name loads the zoo
 
             known = builtins()
-            impl = known.get(spec)
-            fn = None if impl is None else impl.adapter(kind)
+        impl = known.get(spec)
+        fn = None if impl is None else impl.adapter(kind)
         if spec not in known:
             raise AdapterError(spec, "cannot be resolved",
                                expected="a built-in name (" + ", ".join(sorted(known))
                                + ") or module:attr", got=repr(spec))
         if fn is None:
             raise AdapterError(spec, f"built-in has no {kind} form")
-        return fn  # type: ignore[no-any-return]
+        return fn
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)

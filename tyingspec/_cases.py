@@ -57,13 +57,17 @@ class Case:
     # nn.Embedding(padding_idx=p) semantics: the input path never reaches row p (the output
     # path still does); None: no padding row
     padding_idx: int | None = None
+    # a linear-ce case's options, "key=value,..." (see tyingspec._linear_ce_kind.ce_options):
+    # the kernel's options plus how the batch exposes them (ignored=fraction, logits=magnitude)
+    ce: str = ""
 
     def describe(self) -> str:
         if not self.probe:
             return f"V={self.V} d={self.d} N={self.N} seed={self.seed}"
+        text = self._describe()
         if self.padding_idx is not None:
-            return self._describe() + f" padding_idx={self.padding_idx}"
-        return self._describe()
+            text += f" padding_idx={self.padding_idx}"
+        return text + (f" {self.ce}" if self.ce else "")
 
     def _describe(self) -> str:
         b = "with b" if self.bias else "no b"
@@ -86,6 +90,9 @@ class Batch:
     res: float
     s_in: float
     padding_idx: int | None = None
+    ce: str = ""  # a linear-ce case's options (see Case.ce)
+    ce_weight: Array | None = None  # drawn class weights, when the case asks for them
+    grad_output: Array | None = None  # drawn [N] upstream gradient for reduction="none"
 
 
 def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
@@ -144,7 +151,12 @@ def build(case: Case) -> Batch:
     else:
         tokens = _tokens(case, rng).astype(np.int64)
         targets = rng.integers(case.V, size=case.N).astype(np.int64)
-    return Batch(E, W, b, tokens, targets, case.res, case.s_in, case.padding_idx)
+    batch = Batch(E, W, b, tokens, targets, case.res, case.s_in, case.padding_idx)
+    if case.ce:
+        from ._linear_ce_kind import with_ce
+
+        batch = with_ce(batch, case, explicit=case.targets is not None)
+    return batch
 
 
 def case_seed(base: int, name: str) -> int:

@@ -110,7 +110,6 @@ def _list() -> int:
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ._cases import standard_cases
     from ._check import check_target
     from ._files import OutputError, check_distinct, usable_output
     from ._report import as_json
@@ -151,7 +150,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 "results": {n: r.as_dict() for n, r in demo.results.items()}}, code)
         return code
 
-    cases = standard_cases(args.seed)
+    from ._kinds import kind_spec as _kind
+
+    cases = _kind(args.kind).cases(args.seed)
     notes: list[str] = []
     if args.shape is not None:
         from ._cases import at_shape

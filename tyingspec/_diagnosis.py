@@ -25,7 +25,10 @@ Label = Literal["correct", "no_power", "forward_mismatch", "precision_limited",
                 "gradient_not_zeroed", "input_path_wrong", "output_path_wrong",
                 "other_gradient_wrong", "inputs_mutated", "tie_lost", "optimizer_sees_tie_twice",
                 "gradient_assigned", "gradient_disagrees_with_forward", "padding_row_masked",
-                "unknown"]
+                "logit_scale_dropped", "logit_scale_twice", "softcap_derivative_missing",
+                "label_smoothing_misweighted", "z_loss_missing", "ignored_counted_in_mean",
+                "ignored_not_zeroed", "grad_output_broadcast", "dE_wrong_dh_right",
+                "dh_wrong_dE_right", "bias_gradient_wrong", "not_finite", "unknown"]
 
 #: The named verdicts, in the order they are tried, with the sentence a person reads.
 LABELS: dict[Label, str] = {
@@ -63,6 +66,27 @@ LABELS: dict[Label, str] = {
                                        "differences of the loss contradict these rows of dE",
     "padding_row_masked": "padding row masked on both paths: padding_idx keeps the input path "
                           "off row p, but the output path must still reach it",
+    "logit_scale_dropped": "logit scale dropped from the backward: the gradients are 1/s times "
+                           "the right ones (a 0.0625 scale: 16x too large)",
+    "logit_scale_twice": "logit scale applied twice in the backward: the gradients are s times "
+                         "the right ones",
+    "softcap_derivative_missing": "softcap derivative missing: the backward skips the "
+                                  "(1 - tanh^2) factor of the logit softcap",
+    "label_smoothing_misweighted": "label smoothing mis-weighted: the target term's (1 - eps) "
+                                   "weight is missing from the backward",
+    "z_loss_missing": "z-loss missing from the gradient: the loss includes lam * lse^2, the "
+                      "backward does not",
+    "ignored_counted_in_mean": "ignored tokens counted in the mean: the denominator includes "
+                               "tokens whose target is ignore_index",
+    "ignored_not_zeroed": "ignored tokens' gradients not zeroed: tokens with target "
+                          "ignore_index still send their softmax into dh and dE",
+    "grad_output_broadcast": "grad_output broadcast from its first element: with "
+                             "reduction='none' every token is scaled by grad_output[0]",
+    "dE_wrong_dh_right": "the kernel's dE is wrong while its dh is right",
+    "dh_wrong_dE_right": "the kernel's dh is wrong while its dE is right",
+    "bias_gradient_wrong": "the bias gradient db is wrong while dh and dE are right",
+    "not_finite": "not finite: the kernel returned inf or NaN where the loss is finite "
+                  "(a logsumexp without the max shift overflows at |logit| ~ 1e4)",
     "unknown": "wrong, unexplained by the catalogue: see the wrong rows",
 }
 

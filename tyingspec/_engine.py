@@ -159,7 +159,8 @@ def _prepare(target: Target, cases: Sequence[Case]) -> None:
     the worker already reported ends the load at once; a case that cannot be built is left
     for its first call, to fail where it always did."""
     assert target.worker is not None
-    if target.table.own_shape or target.kind not in _REFERENCE_FIRST:
+    if target.table.own_shape or target.kind not in _REFERENCE_FIRST or \
+            target.table.complete is not None:
         return
     for case in cases:
         try:
@@ -213,9 +214,19 @@ def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
         inputs = target.table.inputs(batch)
     returned = _invoke(target, inputs)
     precision = precision_for(target, returned)
+    returned, paths = _judged(target, batch, inputs, precision, returned, paths)
+    return inputs, returned, paths, precision
+
+
+def _judged(target: Target, batch: Batch, inputs: dict[str, Any], precision: Precision,
+            returned: Returned, paths: Paths | None = None) -> tuple[Returned, Paths]:
+    """The reference of a call (unless already built), and what it returned as judged: a kind
+    with its own judgement (``complete``) derives both from the call."""
+    if target.table.complete is not None:
+        return target.table.complete(batch, inputs, precision, returned)
     if paths is None:
         paths = target.table.reference(batch, inputs, precision, returned)
-    return inputs, returned, paths, precision
+    return returned, paths
 
 
 def precision_for(target: Target, *returned: Returned) -> Precision:
@@ -341,8 +352,33 @@ def shape_of(target: Target) -> tuple[int, int, int] | None:
     return int(tie["vocab"]), int(tie["width"]), int(tie["batch_size"]) * int(tie["seq_len"])
 
 
+_DESCRIBED: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def described(target: Target) -> dict[str, Any]:
+    """What a target says of itself (a linear-ce kernel: its form and the options it declares),
+    asked once per target."""
+    key = (target.spec, target.kind)
+    if key not in _DESCRIBED:
+        _DESCRIBED[key] = dict(_invoke(target, {"mode": "describe"}).evidence)
+    return _DESCRIBED[key]
+
+
+def runnable(target: Target, case: Case) -> str | None:
+    """Why ``case`` cannot run on ``target`` (it needs an option the target does not declare;
+    never silently treated as off); None when it can."""
+    if target.table.unfit is None:
+        return None
+    return target.table.unfit(described(target), case)
+
+
 def shaped(target: Target, cases: list[Case]) -> tuple[list[Case], list[str]]:
-    """The cases at the target's own shape (see :func:`shape_of`) and notes on what changed."""
+    """The cases at the target's own shape (see :func:`shape_of`), those it can run, and notes
+    on what changed."""
+    if target.table.unfit is not None:
+        unfit = [(c.name, why) for c in cases if (why := runnable(target, c)) is not None]
+        cases = [c for c in cases if runnable(target, c) is None]
+        return cases, [f"left out {name}: {why}" for name, why in unfit]
     shape = shape_of(target)
     if shape is None:
         return cases, []
@@ -421,7 +457,8 @@ def _remember(target: Target, obs: Observation) -> Observation:
     # A worker's dE is already this process's own copy (see Worker.collect).
     dE = obs.returned.dE
     _LAST[key] = (dE if target.worker is not None else np.array(dE, copy=True), obs.paths)
-    if previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated":
+    if previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated" or \
+            obs.diagnosis.findings:  # a named check decided it, not the rows
         return obs
     stale = _stale(obs.diagnosis, previous, obs.returned, obs.paths, obs.precision)
     return replace(obs, diagnosis=stale)
@@ -463,8 +500,8 @@ def observe(target: Target, case: Case, *, step: bool = True) -> Observation:
     if batch is first.batch:  # a repeat: the same inputs, and their reference if it still fits
         returned = _invoke(target, inputs)
         precision = precision_for(target, returned)
-        paths = first.paths if precision == first.precision else \
-            target.table.reference(batch, inputs, precision, returned)
+        returned, paths = _judged(target, batch, inputs, precision, returned,
+                                  first.paths if precision == first.precision else None)
     else:
         inputs, returned, paths, precision = _called(target, batch)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,

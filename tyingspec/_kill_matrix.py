@@ -238,14 +238,14 @@ def run_row(impl: Implementation, kind: str, *, max_examples: int,
     from tyingspec.properties import for_kind
 
     from . import _mutants
-    from ._cases import standard_cases
     from ._check import check_target
+    from ._kinds import kind_spec
 
     wanted = None if properties is None else set(properties)
     row = Row(impl.name, kind, impl.breaks, impl.expected)
     _mutants.reset_state()
-    row.label = check_target(impl.name, kind, 0, standard_cases(0),
-                                   shrink_budget=0.0).diagnosis_label
+    row.label = check_target(impl.name, kind, 0, kind_spec(kind).cases(0),
+                             shrink_budget=0.0).diagnosis_label
     for prop in for_kind(kind):
         if wanted is None or prop.name in wanted:
             row.cells[prop.name] = run_property(prop, impl, kind, max_examples=max_examples,
@@ -256,9 +256,17 @@ def run_row(impl: Implementation, kind: str, *, max_examples: int,
 def targets(kinds: Sequence[str] = KINDS, names: Iterable[str] | None = None
             ) -> list[tuple[Implementation, str]]:
     """(implementation, kind) pairs to run: every registry entry in every kind it has."""
-    known = builtins()
-    chosen = list(known.values()) if names is None else [known[n] for n in names]
-    return [(impl, k) for impl in chosen for k in kinds if impl.adapter(k) is not None]
+    from ._kinds import kind_spec
+
+    pairs: list[tuple[Implementation, str]] = []
+    shared = builtins()
+    for k in kinds:  # a kind with its own zoo (torch, linear-ce) runs that; the rest the registry
+        own = kind_spec(k).builtins
+        known = shared if own is None else own()
+        chosen = [i for n, i in known.items() if names is None or n in set(names)]
+        pairs += [(impl, k) for impl in chosen if impl.adapter(k) is not None]
+    order = {id(impl): i for i, impl in enumerate(shared.values())}
+    return sorted(pairs, key=lambda p: (order.get(id(p[0]), len(order)), KINDS.index(p[1])))
 
 
 def kill_matrix(*, kinds: Sequence[str] = KINDS, max_examples: int = DEFAULT_MAX_EXAMPLES,
@@ -331,7 +339,12 @@ def render(report: PowerReport) -> str:
 
 
 def _mutant_name(text: str) -> str:
-    known = builtins()
+    from ._kinds import KINDS as TABLE
+
+    known = set(builtins())
+    for spec in TABLE.values():
+        if spec.builtins is not None:
+            known |= set(spec.builtins())
     if text not in known:
         raise argparse.ArgumentTypeError(
             f"no implementation {text!r}; known: {', '.join(sorted(known))}")

@@ -19,10 +19,11 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from ._adapters import Returned, call_kernel, call_model
-from ._cases import Batch, kernel_paths, model_reference
+from ._cases import Batch, Case, kernel_paths, model_reference, standard_cases
 from ._probe import Paths, forward_parts
+from ._registry import Implementation
 
-Kind = Literal["model", "kernel", "torch"]
+Kind = Literal["model", "kernel", "torch", "linear-ce"]
 #: ``sgd_step``: again after E moved by one SGD step along the dE it returned (a model: a copied
 #: tie shows here); ``repeat``: again on the same inputs (a kernel: a stale workspace shows);
 #: ``none``: the kind's call runs its own repeated passes (torch: fresh and micro-batch checks).
@@ -48,10 +49,19 @@ class KindSpec:
     second_call: SecondCall  # how it is called a second time (see the engine)
     properties: tuple[str, ...]  # the properties that apply, in the order they are listed
     # the kind's built-in targets by name (None: the shared registry of model/kernel forms)
-    builtins: Callable[[], dict[str, Any]] | None = None
+    builtins: Callable[[], dict[str, Implementation]] | None = None
     # True when the batch shape (V, d, N) is the target's own (a model's vocabulary, width
     # and context), asked of it before the first case (see ``tyingspec._engine.shape_of``)
     own_shape: bool = False
+    # the kind's own judgement of a call, instead of ``reference`` alone: the reference paths
+    # and the returned value completed (a linear-ce kernel's dE plus the input path its dh
+    # implies, and its outputs' findings)
+    complete: Callable[[Batch, Inputs, str, Returned], tuple[Returned, Paths]] | None = None
+    # the seeded cases ``tyingspec check`` runs (default: the probe model's standard cases)
+    cases: Callable[[int], list[Case]] = standard_cases
+    # why a case cannot run on a target, from what the target says of itself (its options);
+    # None: it can (see ``tyingspec._engine.runnable``)
+    unfit: Callable[[dict[str, Any], Case], str | None] | None = None
 
 
 def _model_inputs(batch: Batch) -> Inputs:
@@ -113,10 +123,55 @@ def _torch_reference(batch: Batch, inputs: Inputs, precision: str,
                  db=None, per_position=np.zeros((0, d)), tokens=np.zeros(0, dtype=np.int64))
 
 
-def _torch_builtins() -> dict[str, Any]:
-    from . import _torch_zoo
+def _ce_invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
+    from ._linear_ce_adapter import call_linear_ce  # torch only for a torch-form kernel
 
-    return {name: getattr(_torch_zoo, b.attr) for name, b in _torch_zoo.TORCH_BUILTINS.items()}
+    return call_linear_ce(spec, fn, inputs)
+
+
+def _ce_inputs(batch: Batch) -> Inputs:
+    from ._linear_ce_kind import inputs
+
+    return inputs(batch)
+
+
+def _ce_complete(batch: Batch, inputs: Inputs, precision: str,
+                 returned: Returned) -> tuple[Returned, Paths]:
+    from ._linear_ce_kind import complete
+
+    return complete(batch, inputs, precision, returned)
+
+
+def _ce_cases(seed: int) -> list[Case]:
+    from ._linear_ce_kind import standard_ce_cases
+
+    return standard_ce_cases(seed)
+
+
+def _ce_unfit(described: dict[str, Any], case: Case) -> str | None:
+    from ._linear_ce_kind import needed_options
+
+    missing = sorted(needed_options(case) - set(described.get("options", ())))
+    return f"needs option(s) {', '.join(missing)}, which the kernel does not declare" \
+        if missing else None
+
+
+def _zoo(kind: str, module: Any, table: dict[str, Any]) -> dict[str, Implementation]:
+    return {name: Implementation(name, b.description, b.breaks, b.expected,
+                                 forms={kind: getattr(module, b.attr)})
+            for name, b in table.items()}
+
+
+def _ce_builtins() -> dict[str, Implementation]:
+    from . import _linear_ce_zoo as zoo
+
+    return _zoo("linear-ce", zoo, zoo.LINEAR_CE_BUILTINS)
+
+
+def _torch_builtins() -> dict[str, Implementation]:
+    from . import _torch_zoo as zoo
+
+    return _zoo("torch", zoo, zoo.TORCH_BUILTINS)
 
 
 KINDS: dict[Kind, KindSpec] = {
@@ -148,6 +203,14 @@ KINDS: dict[Kind, KindSpec] = {
                     "torch_gradient_by_path", "torch_gradient_against_forward",
                     "torch_fresh_gradient", "torch_micro_batches_accumulate"),
         builtins=_torch_builtins, own_shape=True),
+    "linear-ce": KindSpec(
+        name="linear-ce",
+        contract="f(h, E, targets, b, *, grad_output, **options) -> {'loss', 'dh', 'dE', 'db'}, "
+                 "or a class cls(**options)(weight, input, target, bias) -> loss (Liger's)",
+        positional=("h", "E", "targets", "b"), keywords=(), inputs=_ce_inputs,
+        invoke=_ce_invoke, reference=_torch_reference, second_call="repeat",
+        properties=("ce_kernel_outputs", "ce_tie_is_the_sum_of_paths"),
+        builtins=_ce_builtins, complete=_ce_complete, cases=_ce_cases, unfit=_ce_unfit),
 }
 
 

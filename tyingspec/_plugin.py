@@ -39,7 +39,8 @@ SUITE_PATH = Path(__file__).with_name("_suite.py").resolve()
 SUITE_NODEID = "tyingspec"
 TEST_PREFIX = f"{SUITE_NODEID}::test_"
 EXIT_ADAPTER = 2
-KINDS = ("model", "kernel", "torch")  # kept in step with tyingspec._kinds by a test (no numpy here)
+# kept in step with tyingspec._kinds by a test (no numpy here)
+KINDS = ("model", "kernel", "torch", "linear-ce")
 PROFILES = ("dev", "ci", "thorough")
 PRECISIONS = ("auto", "float64", "float32", "bfloat16", "float16")
 #: user_properties keys the workers attach to each property's report (builtin strings only:

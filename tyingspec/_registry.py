@@ -28,12 +28,16 @@ class Implementation:
     model: ModelFn | None = None
     kernel: Combiner | None = None
     tags: tuple[str, ...] = field(default=())
+    # a kind's own built-in (torch, linear-ce): its adapter, by kind
+    forms: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def correct(self) -> bool:
         return self.breaks is None
 
     def adapter(self, kind: str) -> Callable[..., Any] | None:
+        if kind in self.forms:
+            return self.forms[kind]  # type: ignore[no-any-return]
         return {"model": self.model, "kernel": self.kernel}.get(kind)
 
 

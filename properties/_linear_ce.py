@@ -1,0 +1,84 @@
+"""The linear-ce kind's properties: a fused linear-cross-entropy kernel as the tied head.
+
+Cases draw the kernel's options (each on or off, every reduction, class weights, ignored tokens
+including a whole chunk and the whole batch, one target everywhere) and the shapes that break
+chunked kernels (N and V off any block size).  A case needing an option the kernel does not
+declare is discarded: an unsupported option is never run as if it were off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from tyingspec._cases import Case
+from tyingspec._engine import Observation, Target, observe, runnable
+
+from ._core import PropertyFailure, discard, register, require_power
+
+
+@st.composite
+def ce_cases(draw: st.DrawFn) -> Case:
+    """A kernel call: shape, composition, options and a seed."""
+    V = draw(st.integers(2, 40))
+    d = draw(st.integers(1, 6))
+    N = draw(st.integers(1, 30))
+    parts: list[str] = []
+    if draw(st.booleans()):
+        parts.append(f"logit_scale={draw(st.sampled_from((0.0625, 0.5, 2.0)))}")
+    if draw(st.booleans()):
+        parts.append(f"softcap={draw(st.sampled_from((1.5, 5.0)))}")
+    if draw(st.booleans()):
+        parts.append(f"label_smoothing={draw(st.sampled_from((0.05, 0.3)))}")
+    if draw(st.booleans()):
+        parts.append("lse_square_scale=0.01")
+    reduction = draw(st.sampled_from(("mean", "mean", "sum", "none")))
+    if reduction != "mean":
+        parts.append(f"reduction={reduction}")
+    if draw(st.booleans()):
+        parts.append(f"ignored={draw(st.sampled_from((0.2, 0.5, 1)))}")
+    if draw(st.booleans()):
+        parts.append("ce_weight=drawn")
+    if draw(st.integers(0, 5)) == 0:
+        parts.append("target=same")
+    return Case(name="drawn-ce", V=V, d=d, N=N, seed=draw(st.integers(0, 2**32 - 1)),
+                composition=draw(st.sampled_from(("random", "repeats", "one-token"))),
+                distinct=draw(st.integers(1, max(1, min(V, N)))),
+                bias=draw(st.booleans()), e_scale=draw(st.sampled_from((0.5, 1.0, 2.0))),
+                res=draw(st.sampled_from((0.0, 1.0))), ce=",".join(parts))
+
+
+def _observed(target: Target, case: Case) -> Observation:
+    why = runnable(target, case)
+    if why is not None:
+        discard(f"the kernel {why}")
+    return observe(target, case)
+
+
+@register("ce_kernel_outputs", "SCALE", ce_cases)
+def ce_kernel_outputs(target: Target, case: Case) -> None:
+    """The kernel's loss, dh, dE and db are the linear cross-entropy's under its options, within
+    the rounding bound; a mismatch is named by the known bug it matches (logit scale dropped or
+    doubled, softcap derivative missing, label smoothing mis-weighted, z-loss missing, ignored
+    tokens counted or not zeroed, grad_output broadcast) or by the output that is wrong."""
+    o = _observed(target, case)
+    f = next((f for f in o.diagnosis.findings if f.failed), None)
+    if f is not None:
+        raise PropertyFailure("ce_kernel_outputs", f"{f.check}: {f.invariant} does not hold",
+                              o.case, diagnosis=o.diagnosis)
+
+
+@register("ce_tie_is_the_sum_of_paths", "SUM", ce_cases)
+def ce_tie_is_the_sum_of_paths(target: Target, case: Case) -> None:
+    """With the kernel as the probe model's head, the tied gradient (the kernel's dE plus the
+    scatter-add of the input path its dh implies) is the reference's two paths, row by row."""
+    o = _observed(target, case)
+    diag = o.diagnosis
+    label = diag.rows_label or diag.label
+    if label in ("correct", "no_power"):
+        require_power(replace(diag, label=label))
+        return
+    raise PropertyFailure("ce_tie_is_the_sum_of_paths", "the tied gradient is not the sum of "
+                          "its two paths", o.case,
+                          diagnosis=replace(diag, label=label, detail=""))

@@ -1,0 +1,277 @@
+"""The linear-ce kind, main-process side: its cases, its inputs and its judgement.
+
+A fused linear-cross-entropy kernel is the head of the probe model: the hidden states it gets
+are the probe model's ``h`` for the batch, and its ``dh`` flows back through the probe body into
+the input path.  So the tie is judged as for a model (``dE`` = the kernel's ``dE`` plus the
+scatter-add of the input path its ``dh`` implies, against the reference's two paths), and the
+kernel's own outputs are judged one by one first: which known bug (a :data:`VARIANTS` entry of
+:mod:`tyingspec._linear_ce`) they match, or which output is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from ._adapters import Returned
+from ._cases import Batch, Case, case_seed, working_dtype
+from ._diagnosis import Label
+from ._findings import Finding, failed, passed
+from ._linear_ce import VARIANTS, CEOptions, CEResult, linear_ce
+from ._probe import Array, IntArray, Paths, scatter_rows
+from ._tolerance import Terms, row_tolerance, value_tolerance
+
+IGNORE_INDEX = -100
+#: The kernel options, as Liger's constructor names them (plus logit_scale).
+OPTION_NAMES = ("logit_scale", "softcap", "label_smoothing", "lse_square_scale", "ignore_index",
+                "reduction", "ce_weight")
+#: Tokens per chunk when a case ignores a whole chunk (a fused kernel's block is rarely 7).
+CHUNK = 7
+
+
+def ce_options(text: str) -> dict[str, str]:
+    """``"logit_scale=0.0625,ignored=0.25"`` as a dict (values as written)."""
+    out: dict[str, str] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"linear-ce option {part!r}: expected key=value")
+        out[key] = value
+    return out
+
+
+def needed_options(case: Case) -> set[str]:
+    """The kernel options a case sets (an adapter must support each of them)."""
+    opts = ce_options(case.ce)
+    need = {k for k in opts if k in OPTION_NAMES}
+    if "ignored" in opts:
+        need.add("ignore_index")
+    return need
+
+
+def with_ce(batch: Batch, case: Case, *, explicit: bool) -> Batch:
+    """The batch's linear-ce draws: ignored targets, class weights, grad_output (their own
+    stream from the case seed, so the other arrays are those of the same case without them)."""
+    opts = ce_options(case.ce)
+    rng = np.random.default_rng([case.seed, 7])
+    targets = batch.targets
+    N, V = targets.shape[0], batch.E.shape[0]
+    if "ignored" in opts and not explicit:
+        fraction = float(opts["ignored"])
+        targets = targets.copy()
+        ignored = np.zeros(N, dtype=bool)
+        if fraction > 0:
+            ignored[:min(CHUNK, N)] = True  # a whole chunk of ignored tokens
+            ignored |= rng.random(N) < fraction
+        if fraction >= 1:
+            ignored[:] = True
+        targets[ignored] = IGNORE_INDEX
+    if opts.get("target") == "same" and not explicit:
+        targets = np.full_like(targets, targets[0])
+    dt = batch.E.dtype
+    weight = np.asarray(rng.uniform(0.5, 2.0, size=V), dtype=dt) \
+        if "ce_weight" in opts else None
+    grad_output = np.asarray(rng.normal(size=N) + 1.5, dtype=dt) \
+        if opts.get("reduction") == "none" else None
+    return replace(batch, targets=targets, ce=case.ce, ce_weight=weight,
+                   grad_output=grad_output)
+
+
+def options_of(batch: Batch) -> CEOptions:
+    opts = ce_options(batch.ce)
+    softcap = opts.get("softcap")
+    return CEOptions(
+        logit_scale=float(opts.get("logit_scale", 1.0)),
+        softcap=None if softcap is None else float(softcap),
+        label_smoothing=float(opts.get("label_smoothing", 0.0)),
+        lse_square_scale=float(opts.get("lse_square_scale", 0.0)),
+        ignore_index=IGNORE_INDEX, reduction=opts.get("reduction", "mean"),
+        ce_weight=None if batch.ce_weight is None else
+        tuple(float(w) for w in batch.ce_weight))
+
+
+def kernel_keywords(batch: Batch) -> dict[str, Any]:
+    """The options a kernel is called with: only those the case sets (an adapter that does not
+    support one is never handed it, and never judged on a case that needs it)."""
+    opts = ce_options(batch.ce)
+    out: dict[str, Any] = {}
+    for key in ("logit_scale", "softcap", "label_smoothing", "lse_square_scale"):
+        if key in opts:
+            out[key] = float(opts[key])
+    if "reduction" in opts:
+        out["reduction"] = opts["reduction"]
+    if "ignored" in opts:
+        out["ignore_index"] = IGNORE_INDEX
+    if batch.ce_weight is not None:
+        out["ce_weight"] = batch.ce_weight
+    return out
+
+
+def body(batch: Batch) -> tuple[Array, Array]:
+    """The probe body's forward: h and tanh(x @ W) (what its backward needs)."""
+    x = batch.s_in * batch.E[batch.tokens]
+    t = np.tanh(x @ batch.W)
+    return batch.res * x + t, t
+
+
+def body_rows(batch: Batch, t: Array, dh: Array) -> Array:
+    """The input path's per-position rows for an upstream dh: s_in * dL/dx."""
+    dh = np.asarray(dh, dtype=t.dtype)
+    dx = batch.res * dh + (dh * (1 - t * t)) @ batch.W.T
+    return np.asarray(batch.s_in * dx)
+
+
+def inputs(batch: Batch) -> dict[str, Any]:
+    h, _ = body(batch)
+    return {"h": h, "E": batch.E, "targets": batch.targets, "b": batch.b,
+            "options": kernel_keywords(batch), "grad_output": batch.grad_output}
+
+
+def _scalar(loss: Any, grad_output: Array | None) -> float:
+    arr = np.asarray(loss, dtype=np.float64)
+    if arr.ndim == 0:
+        return float(arr)
+    weights = np.ones(arr.shape) if grad_output is None else np.asarray(grad_output, np.float64)
+    return float((weights * arr).sum())
+
+
+def complete(batch: Batch, inp: dict[str, Any], precision: str,
+             returned: Returned) -> tuple[Returned, Paths]:
+    """The kernel's outputs judged (findings), and the tie: the returned tied gradient (its dE
+    plus the input path its dh implies) with the reference's two paths."""
+    V, d = batch.E.shape
+    N = batch.tokens.shape[0]
+    opts = options_of(batch)
+    dt = working_dtype(V * d * N, precision)
+    h = np.asarray(inp["h"])
+    args = (h, batch.E, batch.targets, batch.b, opts, batch.grad_output)
+    ref = linear_ce(*args, dtype=dt)
+    _, t = body(replace(batch, E=batch.E.astype(dt), W=batch.W.astype(dt)))
+    rows_ref = body_rows(batch, t, ref.dh)
+    ev = returned.evidence
+    dh = np.asarray(ev["dh"], dtype=np.float64)
+    rows_ker = body_rows(batch, t.astype(np.float64), dh)
+    tokens: IntArray = batch.tokens
+    h_inf = np.abs(h).max(axis=1, initial=0.0).astype(np.float64)
+    in_terms = np.bincount(tokens, weights=np.abs(rows_ref).max(axis=1, initial=0.0)
+                           .astype(np.float64), minlength=V)[:V]
+    # the largest logit enters k as in the probe model's bound: a softmax of logits near 1e4
+    # rounds at 1e4 * u before any reduction
+    E64 = np.abs(np.asarray(batch.E, np.float64))
+    zmag = opts.logit_scale * (float(h_inf.max(initial=0.0)) * float(E64.sum(axis=1).max(
+        initial=0.0)) + (0.0 if batch.b is None else float(np.abs(batch.b).max(initial=0.0))))
+    k = float(N + d + np.sqrt(V) + 1 + zmag)
+    terms = Terms(rows=ref.dE_terms + in_terms, k=k,
+                  loss=float(np.abs(np.asarray(ref.loss, np.float64)).sum()) + 1.0 + zmag)
+    paths = Paths(loss=_scalar(ref.loss, batch.grad_output),
+                  dE_in=scatter_rows(tokens, rows_ref.astype(np.float64), V),
+                  dE_out=np.asarray(ref.dE, np.float64), dW=np.zeros((0, 0)),
+                  db=None if ref.db is None else np.asarray(ref.db, np.float64),
+                  per_position=rows_ref.astype(np.float64), tokens=tokens, terms=terms)
+    findings = _kernel_findings(args, dt, ref, ev, returned, precision, h_inf, k)
+    total = np.asarray(returned.dE, np.float64) + scatter_rows(tokens, rows_ker, V)
+    return replace(returned, dE=total, loss=_scalar(ev["loss"], batch.grad_output),
+                   findings=tuple(findings)), paths
+
+
+_CHECK = "kernel outputs"
+_INVARIANT = ("the kernel's loss, dh, dE and db are the linear cross-entropy's, under its "
+              "options, within the rounding bound")
+
+
+def _matches(result: CEResult, dh: Array, dE: Array, precision: str, k: float) -> tuple[bool,
+                                                                                       bool]:
+    dE_tol = row_tolerance(Terms(rows=result.dE_terms, k=k), precision)  # type: ignore[arg-type]
+    dh_tol = row_tolerance(Terms(rows=result.dh_terms, k=k), precision)  # type: ignore[arg-type]
+    ok_dE = bool(dE_tol.close(dE, np.asarray(result.dE, np.float64)).all())
+    ok_dh = bool(dh_tol.close(dh, np.asarray(result.dh, np.float64)).all())
+    return ok_dh, ok_dE
+
+
+def _kernel_findings(args: tuple[Any, ...], dt: str, ref: CEResult, ev: Any,
+                     returned: Returned, precision: str, h_inf: Array, k: float,
+                     ) -> list[Finding]:
+    nonfinite = list(ev.get("nonfinite", ()))
+    if nonfinite:
+        return [failed(_CHECK, _INVARIANT, "not_finite",
+                       f"{', '.join(nonfinite)} hold inf or NaN; the reference is finite")]
+    dh = np.asarray(ev["dh"], np.float64)
+    dE = np.asarray(returned.dE, np.float64)
+    ok_dh, ok_dE = _matches(ref, dh, dE, precision, k)
+    ok_db = True
+    if ref.db is not None and returned.db is not None:
+        tol = value_tolerance(Terms(rows=ref.dE_terms, k=k), precision,  # type: ignore[arg-type]
+                              np.abs(np.asarray(ref.dz, np.float64)).sum(axis=0))
+        ok_db = bool(np.all(np.abs(np.asarray(returned.db, np.float64) - ref.db)
+                            <= np.asarray(tol.atol) + tol.rtol * np.abs(ref.db)))
+    loss = np.asarray(ev["loss"], np.float64)
+    ref_loss = np.asarray(ref.loss, np.float64)
+    loss_tol = value_tolerance(Terms(rows=ref.dE_terms, k=k), precision,  # type: ignore[arg-type]
+                               np.abs(ref_loss) + 1.0 + k)
+    ok_loss = loss.shape == ref_loss.shape and bool(np.all(
+        np.abs(loss - ref_loss) <= np.asarray(loss_tol.atol) + loss_tol.rtol * np.abs(ref_loss)))
+    if ok_dh and ok_dE and ok_db and ok_loss:
+        return [passed(_CHECK, _INVARIANT)]
+    if not (ok_dh and ok_dE):
+        for name, (label, why) in VARIANTS.items():
+            try:
+                wrong = linear_ce(*args, variant=name, dtype=dt)
+            except ValueError:
+                continue
+            if all(_matches(wrong, dh, dE, precision, k)) and not all(
+                    _matches(wrong, np.asarray(ref.dh, np.float64),
+                             np.asarray(ref.dE, np.float64), precision, k)):
+                return [failed(_CHECK, _INVARIANT, _label(label),
+                               f"dh and dE match the known bug: {why}")]
+    if ok_dh and not ok_dE:
+        return [failed(_CHECK, _INVARIANT, "dE_wrong_dh_right",
+                       f"rows of dE wrong: {_rows(dE, ref.dE)}")]
+    if ok_dE and not ok_dh:
+        return [failed(_CHECK, _INVARIANT, "dh_wrong_dE_right",
+                       f"tokens whose dh is wrong: {_rows(dh, ref.dh)}")]
+    if ok_dh and ok_dE and not ok_db:
+        return [failed(_CHECK, _INVARIANT, "bias_gradient_wrong",
+                       "db differs from the reference's")]
+    if ok_dh and ok_dE:
+        return [failed(_CHECK, _INVARIANT, "forward_mismatch",
+                       f"the loss differs: {float(loss.sum()):.6g} against "
+                       f"{float(ref_loss.sum()):.6g}")]
+    return [failed(_CHECK, _INVARIANT, "unknown",
+                   "dh and dE are both wrong and match no known bug")]
+
+
+def _label(name: str) -> Label:
+    return name  # type: ignore[return-value]
+
+
+def _rows(a: Array, e: Array, limit: int = 8) -> str:
+    diff = np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64)).max(axis=1)
+    scale = np.abs(np.asarray(e, np.float64)).max(initial=0.0)
+    bad = np.flatnonzero(diff > 1e-6 * (scale + 1e-300))
+    return "[" + ", ".join(map(str, bad[:limit])) + (", ..." if len(bad) > limit else "") + "]"
+
+
+def standard_ce_cases(seed: int) -> list[Case]:
+    """The seeded set ``tyingspec check --kind linear-ce`` runs: each option, and the shapes
+    that break chunked kernels (N and V not multiples of a block, an all-ignored chunk, every
+    token ignored, one target everywhere, logits near 1e4 in float32)."""
+    base = dict(V=37, d=6, N=23, composition="repeats", distinct=9, e_scale=0.5)
+    specs: list[tuple[str, dict[str, Any]]] = [
+        ("ce-plain", {}),
+        ("ce-logit-scale", {"ce": "logit_scale=0.0625", "e_scale": 2.0}),
+        ("ce-softcap", {"ce": "softcap=2.0", "e_scale": 1.2}),
+        ("ce-label-smoothing", {"ce": "label_smoothing=0.1"}),
+        ("ce-z-loss", {"ce": "lse_square_scale=0.01"}),
+        ("ce-ignored", {"ce": "ignored=0.3"}),
+        ("ce-all-ignored", {"ce": "ignored=1"}),
+        ("ce-class-weights", {"ce": "ce_weight=drawn"}),
+        ("ce-sum", {"ce": "reduction=sum"}),
+        ("ce-none", {"ce": "reduction=none"}),
+        ("ce-one-target", {"ce": "target=same"}),
+        # h = x + tanh(x W) ~ E's rows, so logits ~ d * 40^2 ~ 1e4
+        ("ce-large-logits", {"ce": "logits=1e4", "dtype": "float32", "e_scale": 40.0}),
+    ]
+    return [Case(name=name, seed=case_seed(seed, name), **(base | kw))  # type: ignore[arg-type]
+            for name, kw in specs]
