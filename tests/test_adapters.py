@@ -104,7 +104,7 @@ def test_a_kernel_adapter_checked_as_a_model_is_told_which_kind_it_looks_like(
         load("kind_probe:combine", "model", paths=(str(tmp_path),))
     msg = str(info.value)
     assert "does not match the model contract" in msg and "--kind kernel" in msg, msg
-    assert "f(E, W, b, tokens, targets, *, res, s_in)" in msg, msg
+    assert "f(E, W, b, tokens, targets, *, res, s_in[, padding_idx])" in msg, msg
 
 
 def test_resolving_a_user_adapter_does_not_load_the_mutant_zoo(tmp_path) -> None:  # type: ignore[no-untyped-def]

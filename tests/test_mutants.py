@@ -32,8 +32,12 @@ from tyingspec._mutants import MUTANT, STATEFUL, STYLE, mutants, reset_state, st
 # the suite's power, not a test the profile should scale.  Rows are static, so xdist workers
 # collect the same tests in the same order.
 MATRIX_EXAMPLES = 25
-MUTANT_ROWS = [(impl.name, kind) for impl, kind in targets() if not impl.correct]
-STYLE_ROWS = [(impl.name, kind) for impl, kind in targets() if impl.correct]
+SHARED = ("model", "kernel")  # the registry's kinds; torch and linear-ce have their own zoos
+MUTANT_ROWS = [(impl.name, kind) for impl, kind in targets(SHARED) if not impl.correct]
+STYLE_ROWS = [(impl.name, kind) for impl, kind in targets(SHARED) if impl.correct]
+OWN_ROWS = targets(("torch", "linear-ce"))
+#: A torch observation builds and checks a real module: fewer examples bound the slow tier.
+OWN_EXAMPLES = {"torch": 12, "linear-ce": MATRIX_EXAMPLES}
 SIGNATURE_ROWS = [(name, kind) for name, sig in SIGNATURES.items() for kind in sig.kinds]
 # The zoo must cover the bug classes of NOTES.md section 2 that the probe model can express.
 ZOO = {
@@ -89,6 +93,20 @@ def test_correct_style_passes_every_property(name: str, kind: str) -> None:
     failures = {p: c.message for p, c in row.cells.items() if c.status != PASSED}
     assert not failures, failures
     assert set(row.cells) == {p.name for p in PROPERTIES.values() if kind in p.kinds}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl,kind", OWN_ROWS,
+                         ids=[f"{impl.name}-{kind}" for impl, kind in OWN_ROWS])
+def test_the_kind_zoos_are_killed_and_their_correct_models_pass(impl: Implementation,
+                                                               kind: str) -> None:
+    row = run_row(impl, kind, max_examples=OWN_EXAMPLES[kind])
+    assert row.label == impl.expected, (row.label, impl.expected)
+    if impl.correct:
+        assert all(c.status == PASSED for c in row.cells.values()), row.cells
+    else:
+        assert row.killed_by, f"{impl.name} ({kind}) survived every property"
+        assert {c.label for c in row.cells.values() if c.failed} & {impl.expected}, row.cells
 
 
 @pytest.mark.parametrize("name,kind", SIGNATURE_ROWS, ids=_ids(SIGNATURE_ROWS))

@@ -295,7 +295,7 @@ def test_tyingspec_options_without_an_adapter_are_a_usage_error(
 
 
 @pytest.mark.parametrize("option, message", [
-    ("--tyingspec-kind=both", "expected kind model or kernel or torch, got 'both'"),
+    ("--tyingspec-kind=both", "expected kind model or kernel or torch or linear-ce, got 'both'"),
     ("--tyingspec-profile=fast", "expected profile dev or ci or thorough, got 'fast'"),
     ("--tyingspec-max-examples=0", "expected a positive integer, got 0"),
     ("--tyingspec-adapter=my module:f", "expected module:attr with dotted Python names"),

@@ -72,14 +72,17 @@ TARGETS: list[tuple[str, str, str, set[str]]] = [
 TORCH_PROPERTIES = ["torch_tie_identity", "torch_optimizer_sees_tie_once",
                     "torch_gradient_by_path", "torch_gradient_against_forward",
                     "torch_fresh_gradient", "torch_micro_batches_accumulate"]
+LINEAR_CE_PROPERTIES = ["ce_kernel_outputs", "ce_tie_is_the_sum_of_paths"]
 
 
 def test_every_property_is_registered_with_a_statement_and_its_kinds() -> None:
-    assert list(PROPERTIES) == EXPECTED_PROPERTIES + TORCH_PROPERTIES
+    assert list(PROPERTIES) == EXPECTED_PROPERTIES + TORCH_PROPERTIES + LINEAR_CE_PROPERTIES
     for prop in PROPERTIES.values():
         assert len(prop.doc) > 40, prop.name
         if prop.name in TORCH_PROPERTIES:  # a user's own module: nothing of the probe contract
             assert prop.kinds == ("torch",)
+        elif prop.name in LINEAR_CE_PROPERTIES:
+            assert prop.kinds == ("linear-ce",)
         else:
             assert set(prop.kinds) <= {"model", "kernel"} and prop.kinds
         assert prop.invariant.isupper()

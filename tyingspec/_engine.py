@@ -431,12 +431,14 @@ def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
     return case.with_batch(batch.tokens, batch.targets), batch
 
 
-def first_call(target: Target, case: Case) -> Observation:
-    """Steps 1-5 of the module docstring: one call, judged."""
-    prepared = target._prepared.pop(case, None)
+def first_call(target: Target, case: Case, **overrides: Any) -> Observation:
+    """Steps 1-5 of the module docstring: one call, judged; ``overrides`` replace inputs of
+    the call (a torch property asks for its own checks only)."""
+    prepared = None if overrides else target._prepared.pop(case, None)
     if prepared is None:
         case, batch = batch_for(target, case)
-        inputs, returned, paths, precision = _called(target, batch)
+        inputs, returned, paths, precision = _called(
+            target, batch, target.table.inputs(batch) | overrides if overrides else None)
     else:
         case, batch = prepared.case, prepared.batch
         inputs, returned, paths, precision = _called(target, batch, prepared.inputs,
@@ -480,11 +482,12 @@ def _stale(diag: Diagnosis, previous: tuple[np.ndarray, Paths], returned: Return
     return diag
 
 
-def observe(target: Target, case: Case, *, step: bool = True) -> Observation:
+def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
+            ) -> Observation:
     """Observe ``target`` on ``case``: the first call and the kind's second call (after one SGD
     step, or a repeat); returns the observation that decides the verdict (the second call's
-    when it reveals a bug the first did not)."""
-    first = _remember(target, first_call(target, case))
+    when it reveals a bug the first did not).  ``overrides`` replace inputs of the call."""
+    first = _remember(target, first_call(target, case, **overrides))
     if not step or first.diagnosis.wrong or target.table.second_call == "none":
         return first
     lr = 0.0

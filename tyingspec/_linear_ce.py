@@ -106,6 +106,7 @@ class CEResult:
     # which can be far larger than the sums (softmax rows sum to ~0).
     dE_terms: np.ndarray  # [V]
     dh_terms: np.ndarray  # [N]
+    db_terms: np.ndarray  # [V] per entry of db: sum_i of the magnitudes of dz's terms
 
 
 #: Known-wrong variants: name -> (diagnosis label, one-line description).
@@ -254,6 +255,7 @@ def linear_ce(
     per_token = np.zeros(N, dtype=dt)
     dE_terms = np.zeros(V)
     dh_terms = np.zeros(N)
+    db_terms = np.zeros(V)
     h_max = np.abs(hh).max(axis=1, initial=0).astype(dt)
     E_max = np.abs(EE).max(axis=1, initial=0).astype(dt)
     rows = block_rows or max(1, _BLOCK_ENTRIES // max(V, 1))
@@ -276,6 +278,15 @@ def linear_ce(
         per_token[lo:hi] = lse - (one - eps) * z_y - eps * z_mean + lam * lse * lse
         del zb
         p /= ssum[:, None]  # softmax
+        # the bound's terms: the magnitudes of what dl/dz is a sum of (softmax, target weight,
+        # eps/V), before they cancel, times the same factors as dl/dz; and before the softcap's
+        # factor, whose 1 - tanh**2 a kernel computes with an absolute error ~u where it cancels
+        mag = p * np.abs(one + 2 * lam * lse)[:, None]
+        mag[r, y_safe[lo:hi]] += abs(target_w)
+        mag += abs(eps) / dt.type(V)
+        mag *= np.abs(coef[lo:hi] if variant != "ignored_not_zeroed" else
+                      np.maximum(np.abs(coef[lo:hi]), np.abs(unit[lo:hi])))[:, None]
+        mag *= abs(chain)
         softmax_dead = p[ignored[lo:hi]] if variant == "ignored_not_zeroed" else None
         # dl_i/dz_ij = softmax_ij (1 + 2 lam lse_i) - (1 - eps)[j = y_i] - eps / V
         if variant != "z_loss_missing":
@@ -293,10 +304,10 @@ def linear_ce(
             p *= deriv
         p *= chain
         dz[lo:hi] = p
-        np.abs(p, out=p)
-        dE_terms += (p.T @ h_max[lo:hi]).astype(np.float64)
-        dh_terms[lo:hi] = p @ E_max
-        del p
+        dE_terms += (mag.T @ h_max[lo:hi]).astype(np.float64)
+        dh_terms[lo:hi] = mag @ E_max
+        db_terms += mag.sum(axis=0).astype(np.float64)
+        del p, mag
 
     if red == "none":
         loss: float | np.ndarray = np.where(ignored, dt.type(0), t * per_token).astype(dt)
@@ -309,4 +320,4 @@ def linear_ce(
     dE = dz.T @ hh
     db = dz.sum(axis=0, dtype=dt) if bb is not None else None
     return CEResult(loss=loss, dh=dh, dE=dE, db=db, dz=dz, dE_terms=dE_terms,
-                    dh_terms=dh_terms)
+                    dh_terms=dh_terms, db_terms=db_terms)

@@ -129,6 +129,14 @@ def build_module(spec: str, kind: str, profile: str, max_examples: int | None = 
 
     module.tyingspec_target = tyingspec_target  # type: ignore[attr-defined]
     chosen = profile_settings(profile, max_examples, replay=replay is not None)
+    from ._kinds import kind_spec
+
+    if kind_spec(kind).own_shape:
+        # a model's batch shape is its own (torch): shrinking cannot make the batch smaller,
+        # only re-run the model on other tokens
+        from hypothesis import Phase
+
+        chosen = settings(chosen, phases=[p for p in chosen.phases if p is not Phase.shrink])
     names = [replay[0]] if replay is not None else property_names(kind)
     for name in names:
         test = _make_test(PROPERTIES[name], chosen, replay[1] if replay is not None else None)

@@ -114,7 +114,11 @@ def symbolic_linear_ce(
     vals = np.array([np.broadcast_to(np.asarray(v, dtype=np.float64), (N,)) for v in flat])
     per_token, t, grads = vals[0], vals[1], vals[2:]
     red = options.reduction
-    go = np.ones(N) if grad_output is None else np.asarray(grad_output, np.float64)
+    # none: one upstream gradient per token; mean and sum: a scalar (1 when not given)
+    if grad_output is None:
+        go = np.ones(N) if red == "none" else np.asarray(1.0)
+    else:
+        go = np.asarray(grad_output, np.float64)
     if red == "none":
         loss: float | np.ndarray = t * per_token
         r = go.reshape(N) * t

@@ -1,0 +1,129 @@
+"""The linear-ce kind: fused linear-cross-entropy kernels judged as the tied head.
+
+The zoo (tyingspec._linear_ce_zoo, whose tests pin each mutant against plain torch autograd)
+must reach its expected labels through ``tyingspec check --kind linear-ce`` and through the
+property suite; the correct numpy and torch kernels pass in float64 and float32.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from tyingspec.properties import PROPERTIES, PropertyFailure
+
+from tyingspec._check import check_target
+from tyingspec._engine import load
+from tyingspec._kinds import KINDS
+from tyingspec._linear_ce_kind import standard_ce_cases
+from tyingspec._linear_ce_zoo import LINEAR_CE_BUILTINS
+
+CASES = standard_ce_cases(0)
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_CE_BUILTINS))
+def test_every_linear_ce_builtin_gets_its_label(name: str) -> None:
+    b = LINEAR_CE_BUILTINS[name]
+    report = check_target(name, "linear-ce", 0, CASES)
+    assert report.load_error is None
+    if b.breaks is None:
+        assert report.exit_code == 0, [(r.case.name, r.diagnosis and r.diagnosis.headline())
+                                       for r in report.results if r.status != "correct"]
+    else:
+        assert report.exit_code == 1
+        assert report.diagnosis_label == b.expected
+        wrong = [r for r in report.results if r.status == "wrong"]
+        assert all(f"tyingspec check {name} --kind linear-ce" in r.replay for r in wrong)
+
+
+@pytest.mark.parametrize("name", ["ce-numpy", "ce-torch"])
+def test_the_correct_kernels_pass_in_float32(name: str) -> None:
+    report = check_target(name, "linear-ce", 0, CASES, precision="float32")
+    assert report.exit_code == 0
+    assert {r.precision for r in report.results} == {"float32"}
+
+
+def test_every_case_is_named_and_the_all_ignored_batch_is_defined() -> None:
+    names = [c.name for c in CASES]
+    for expected in ("ce-logit-scale", "ce-softcap", "ce-label-smoothing", "ce-z-loss",
+                     "ce-ignored", "ce-all-ignored", "ce-class-weights", "ce-sum", "ce-none",
+                     "ce-one-target", "ce-large-logits"):
+        assert expected in names
+    report = check_target("ce-numpy", "linear-ce", 0, [c for c in CASES
+                                                       if c.name == "ce-all-ignored"])
+    # every token ignored: loss 0 and zero gradients is the defined result, which no bug can
+    # be told from on this batch alone, so it is no evidence either way
+    assert report.results[0].status == "no_power"
+
+
+UNSUPPORTED = textwrap.dedent("""
+    import numpy as np
+    from tyingspec._linear_ce_zoo import ce_numpy
+    def no_softcap(h, E, targets, b=None, *, grad_output=None, logit_scale=1.0,
+                   label_smoothing=0.0, lse_square_scale=0.0, ignore_index=-100,
+                   reduction="mean", ce_weight=None):
+        return ce_numpy(h, E, targets, b, grad_output=grad_output, logit_scale=logit_scale,
+                        label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
+                        ignore_index=ignore_index, reduction=reduction, ce_weight=ce_weight)
+    def bad_shape(h, E, targets, b=None, *, grad_output=None):
+        out = ce_numpy(h, E, targets, b, grad_output=grad_output)
+        out["dh"] = out["dh"][:-1]
+        return out
+""")
+
+
+def test_an_option_a_kernel_does_not_declare_is_never_run_as_off(tmp_path: Path) -> None:
+    (tmp_path / "kern.py").write_text(UNSUPPORTED)
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "kern:no_softcap",
+                          "--kind", "linear-ce", "--json", str(out)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert "left out ce-softcap: needs option(s) softcap" in run.stdout
+    names = {c["name"] for c in json.loads(out.read_text())["cases"]}
+    assert "ce-softcap" not in names and "ce-plain" in names
+
+
+def test_a_malformed_result_names_the_adapter_the_array_and_the_shapes(tmp_path: Path) -> None:
+    (tmp_path / "kern.py").write_text(UNSUPPORTED)
+    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "kern:bad_shape",
+                          "--kind", "linear-ce", "--case", "ce-plain"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "kern:bad_shape" in run.stdout and "dh" in run.stdout
+    assert "(23, 6)" in run.stdout and "(22, 6)" in run.stdout
+
+
+def test_the_linear_ce_kind_lists_its_properties() -> None:
+    assert KINDS["linear-ce"].properties == ("ce_kernel_outputs", "ce_tie_is_the_sum_of_paths")
+    assert all(PROPERTIES[p].kinds == ("linear-ce",) for p in KINDS["linear-ce"].properties)
+
+
+@pytest.mark.parametrize("name", ["ce-scale-dropped", "ce-ignored-not-zeroed",
+                                  "ce-grad-output-first"])
+def test_the_kernel_property_names_the_bug(name: str) -> None:
+    b = LINEAR_CE_BUILTINS[name]
+    case = next(c for c in CASES if c.name == {
+        "ce-scale-dropped": "ce-logit-scale", "ce-ignored-not-zeroed": "ce-ignored",
+        "ce-grad-output-first": "ce-none"}[name])
+    with pytest.raises(PropertyFailure) as info:
+        PROPERTIES["ce_kernel_outputs"].check(load(name, "linear-ce"), case)
+    assert info.value.label == b.expected
+    PROPERTIES["ce_kernel_outputs"].check(load("ce-numpy", "linear-ce"), case)
+
+
+@pytest.mark.parametrize("adapter,code,label", [("ce-numpy", 0, None),
+                                                ("ce-z-loss-missing", 1, "z_loss_missing")])
+def test_the_plugin_runs_the_linear_ce_properties(tmp_path: Path, adapter: str, code: int,
+                                                  label: str | None) -> None:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                          f"--tyingspec-adapter={adapter}", "--tyingspec-kind=linear-ce"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == code, run.stdout[-3000:]
+    assert "ce_kernel_outputs" in run.stdout
+    if label is not None:
+        assert label in run.stdout and "--tyingspec-replay=" in run.stdout
