@@ -114,6 +114,7 @@ def part_localisation() -> None:
         f = next(x for x in o.diagnosis.findings if x.check == "gradient against the forward")
         repeated = sorted({int(t) for t in o.case.tokens or ()})
         found = f.detail.split("]")[0].split("[")[-1] if f.failed else "none"
+        found = found or "(budget reached)"
         print(f"  {V:>6} {16:>3} {V * 16:>9} {f.evaluations:>14} {found:>11} "
               f"{str(repeated):>14} {seconds:>8.2f}")
 

@@ -127,3 +127,10 @@ def test_the_plugin_runs_the_linear_ce_properties(tmp_path: Path, adapter: str, 
     assert "ce_kernel_outputs" in run.stdout
     if label is not None:
         assert label in run.stdout and "--tyingspec-replay=" in run.stdout
+
+
+def test_bfloat16_inputs_reach_a_torch_kernel_and_are_judged_at_bfloat16() -> None:
+    good = check_target("ce-torch", "linear-ce", 0, CASES, precision="bfloat16")
+    assert good.exit_code == 0 and {r.precision for r in good.results} == {"bfloat16"}
+    bad = check_target("ce-torch-scale-dropped", "linear-ce", 0, CASES, precision="bfloat16")
+    assert bad.exit_code == 1 and bad.diagnosis_label == "logit_scale_dropped"

@@ -97,8 +97,10 @@ def replay_command(target: Target, base_seed: int, case: Case) -> str:
     if case.padding_idx is not None and case.probe:
         parts += ["--padding-idx", str(case.padding_idx)]
     if case.tokens is not None and case.targets is not None:
-        parts += ["--tokens", ",".join(map(str, case.tokens)),
-                  "--targets", ",".join(map(str, case.targets))]
+        targets = ",".join(map(str, case.targets))
+        # an ignored target (-100) would read as an option: then --targets=... is spelled out
+        parts += ["--tokens", ",".join(map(str, case.tokens))] + (
+            [f"--targets={targets}"] if targets.startswith("-") else ["--targets", targets])
     return shlex.join(parts)
 
 

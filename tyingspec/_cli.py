@@ -193,7 +193,10 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         V = cases[0].V
         # a kind with its own shape (a torch model's vocabulary) checks token ids itself
         own = kind_spec(args.kind).own_shape
-        bad = [t for t in args.tokens + args.targets if not 0 <= t < V] if not own else []
+        # a linear-ce target may be ignore_index (-100): an ignored token
+        ignored = {-100} if args.kind == "linear-ce" else set()
+        bad = [t for t in args.tokens if not 0 <= t < V] + \
+            [t for t in args.targets if not 0 <= t < V and t not in ignored] if not own else []
         if bad:
             parser.error(f"token ids must be in [0, {V}) for case {cases[0].name}; got {bad}")
         cases = [replace(cases[0]).with_batch(np.asarray(args.tokens),

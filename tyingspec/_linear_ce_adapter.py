@@ -93,8 +93,9 @@ def _returned(spec: str, inputs: Mapping[str, Any], out: Mapping[str, Any],
         if tuple(a.shape) != shape and not (shape == () and a.size == 1):
             raise AdapterError(spec, "wrong shape", key=key, expected=str(shape),
                                got=str(tuple(a.shape)))
-        if not np.issubdtype(a.dtype, np.floating):
-            raise AdapterError(spec, "not a float array", key=key, expected="float32/float64",
+        if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"):
+            raise AdapterError(spec, "not a float array", key=key,
+                               expected="float64, float32, float16 or bfloat16",
                                got=str(a.dtype))
         arrays[key] = a.reshape(shape)
     # inf/NaN is a verdict here (a kernel that overflows), not a malformed result
@@ -110,15 +111,20 @@ def _returned(spec: str, inputs: Mapping[str, Any], out: Mapping[str, Any],
 def _call_torch(spec: str, cls: Any, inputs: Mapping[str, Any]) -> Returned:
     import torch
 
+    def tensor(a: Any) -> Any:
+        a = np.array(a)  # a copy: the kernel may write into its inputs
+        if a.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 has torch's bit layout
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
     opts = dict(inputs["options"])
     if "ce_weight" in opts:
-        opts["ce_weight"] = torch.from_numpy(np.array(opts["ce_weight"]))
+        opts["ce_weight"] = tensor(opts["ce_weight"])
     loss_fn = _guarded_call(spec, cls, **opts)
-    h = torch.from_numpy(np.array(inputs["h"])).requires_grad_(True)
-    E = torch.from_numpy(np.array(inputs["E"])).requires_grad_(True)
-    y = torch.from_numpy(np.array(inputs["targets"]))
-    b = None if inputs["b"] is None else \
-        torch.from_numpy(np.array(inputs["b"])).requires_grad_(True)
+    h = tensor(inputs["h"]).requires_grad_(True)
+    E = tensor(inputs["E"]).requires_grad_(True)
+    y = tensor(inputs["targets"])
+    b = None if inputs["b"] is None else tensor(inputs["b"]).requires_grad_(True)
     loss = _guarded_call(spec, loss_fn, E, h, y, b)
     if not isinstance(loss, torch.Tensor):
         raise AdapterError(spec, "the loss is not a tensor", expected="a torch.Tensor",
@@ -127,8 +133,7 @@ def _call_torch(spec: str, cls: Any, inputs: Mapping[str, Any]) -> Returned:
 
     def backward() -> None:
         if go is not None and loss.dim() == 1:
-            loss.backward(  # type: ignore[no-untyped-call]
-                torch.from_numpy(np.array(go)).to(loss.dtype))
+            loss.backward(tensor(go).to(loss.dtype))  # type: ignore[no-untyped-call]
         else:
             loss.backward()  # type: ignore[no-untyped-call]
 

@@ -125,8 +125,9 @@ def body_rows(batch: Batch, t: Array, dh: Array) -> Array:
 
 def inputs(batch: Batch) -> dict[str, Any]:
     h, _ = body(batch)
-    return {"h": h, "E": batch.E, "targets": batch.targets, "b": batch.b,
-            "options": kernel_keywords(batch), "grad_output": batch.grad_output}
+    # in E's own dtype (numpy's bfloat16 arithmetic returns float32 from tanh)
+    return {"h": np.asarray(h, dtype=batch.E.dtype), "E": batch.E, "targets": batch.targets,
+            "b": batch.b, "options": kernel_keywords(batch), "grad_output": batch.grad_output}
 
 
 def _scalar(loss: Any, grad_output: Array | None) -> float:

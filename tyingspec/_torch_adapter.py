@@ -291,15 +291,15 @@ def _against_forward(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
         # use by design; its directional derivative is not the model's gradient there
         rows = rows[rows != pad]
     try:
-        found = localize(loss_along, own, seed=seed, rows=rows,
-                         max_evaluations=FD_EVALUATIONS)
+        budget = fd_budget(tie.vocab)
+        found = localize(loss_along, own, seed=seed, rows=rows, max_evaluations=budget)
     except BudgetExceeded as exc:
         # many wrong rows: the rows confirmed so far, and how many are left undecided
         label, why = _pattern(list(exc.found), tokens_of(t), tie, input_reached, partial=True)
         return failed(check, invariant, label,
                       f"rows {list(exc.found)[:16]} (and {exc.unresolved} rows not yet "
                       f"decided) disagree with the forward{why} (stopped at the budget of "
-                      f"{FD_EVALUATIONS} forward evaluations)", FD_EVALUATIONS)
+                      f"{budget} forward evaluations)", budget)
     if not found.wrong_rows:
         return passed(check, invariant, f"{found.evaluations} forward evaluations",
                       found.evaluations)
@@ -313,9 +313,11 @@ def tokens_of(t: torch.Tensor) -> np.ndarray:
     return np.asarray(t.reshape(-1).numpy(), dtype=np.int64)
 
 
-#: Forward evaluations one localisation may spend: k wrong rows cost ~12 k log2 V, so this
-#: localises a few dozen rows of a small model and stops, with what it found, beyond that.
-FD_EVALUATIONS = 600
+def fd_budget(V: int) -> int:
+    """Forward evaluations one localisation may spend: k wrong rows cost ~12 k log2 V, so this
+    localises about five rows at any V and stops, with what it found, beyond that (a bug on
+    every row needs no more rows to be named)."""
+    return int(200 + 60 * np.log2(max(V, 2)))
 
 
 def _pattern(wrong: list[int], tokens: np.ndarray, tie: Tie,
