@@ -134,3 +134,20 @@ def test_bfloat16_inputs_reach_a_torch_kernel_and_are_judged_at_bfloat16() -> No
     assert good.exit_code == 0 and {r.precision for r in good.results} == {"bfloat16"}
     bad = check_target("ce-torch-scale-dropped", "linear-ce", 0, CASES, precision="bfloat16")
     assert bad.exit_code == 1 and bad.diagnosis_label == "logit_scale_dropped"
+
+
+def test_the_plugin_draws_only_the_options_a_kernel_declares(tmp_path: Path) -> None:
+    (tmp_path / "kern.py").write_text(UNSUPPORTED)
+    (tmp_path / "plain.py").write_text(textwrap.dedent("""
+        from tyingspec._linear_ce_zoo import ce_numpy
+        def no_options(h, E, targets, b=None, *, grad_output=None):
+            return ce_numpy(h, E, targets, b, grad_output=grad_output)
+    """))
+    for adapter in ("kern:no_softcap", "plain:no_options"):
+        run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                              f"--tyingspec-adapter={adapter}", "--tyingspec-kind=linear-ce",
+                              "--hypothesis-show-statistics"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
+        # a kernel with few options is still checked on every example, not filtered away
+        assert run.returncode == 0, run.stdout[-3000:]
+        assert "needs option" not in run.stdout

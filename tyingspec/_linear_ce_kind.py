@@ -10,6 +10,7 @@ kernel's own outputs are judged one by one first: which known bug (a :data:`VARI
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -49,6 +50,15 @@ def needed_options(case: Case) -> set[str]:
     if "ignored" in opts:
         need.add("ignore_index")
     return need
+
+
+def restricted(case: Case, supported: Iterable[str]) -> Case:
+    """``case`` without the settings that need an option the kernel does not declare: what a
+    property draws for such a kernel (its cases range over the options it supports only)."""
+    have = set(supported)
+    kept = [f"{k}={v}" for k, v in ce_options(case.ce).items()
+            if (k not in OPTION_NAMES or k in have) and (k != "ignored" or "ignore_index" in have)]
+    return replace(case, ce=",".join(kept))
 
 
 def with_ce(batch: Batch, case: Case, *, explicit: bool) -> Batch:
