@@ -99,13 +99,21 @@ def _list() -> int:
     from ._registry import builtins
 
     print("built-in targets (name [kinds] what it breaks -> the label a check reaches):")
-    for impl in builtins().values():
+    known = list(builtins().values())
+    for spec in KINDS.values():  # the kinds with their own zoo (torch, linear-ce)
+        if spec.builtins is not None:
+            known += list(spec.builtins().values())
+    for impl in known:
         kinds = "/".join(k for k in KINDS if impl.adapter(k) is not None)
         breaks = f"breaks {impl.breaks} -> {impl.expected}" if impl.breaks else "correct"
-        print(f"  {impl.name:<24} [{kinds}] {breaks}: {impl.description}")
-    print("cases run by `tyingspec check TARGET`:")
-    for c in standard_cases(0):
-        print(f"  {c.name:<20} {c.describe()}")
+        print(f"  {impl.name:<24} [{kinds}] {breaks}: {impl.description.splitlines()[0]}")
+    for spec in KINDS.values():
+        if spec.cases is standard_cases and spec.name != "model":
+            continue  # the same cases as the model kind's
+        label = "" if spec.name == "model" else f" --kind {spec.name}"
+        print(f"cases run by `tyingspec check TARGET{label}`:")
+        for c in spec.cases(0):
+            print(f"  {c.name:<20} {c.describe()}")
     return EXIT_OK
 
 
