@@ -83,6 +83,15 @@ def _add_mutants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     configure_parser(p)
 
 
+def _add_ckpt(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("ckpt", help="inspect a checkpoint's tie; convert tied <-> untied",
+                       description="inspect FILE: how the embedding and head are stored; "
+                                   "convert IN OUT --to tied|untied --policy ...: rewrite it.")
+    from ._ckpt import configure_parser
+
+    configure_parser(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tyingspec", description="Verify tied-embedding gradients: which path, which rows.")
@@ -90,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check(sub)
     _add_reproduce(sub)
     _add_mutants(sub)
+    _add_ckpt(sub)
     return parser
 
 
@@ -278,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ._kill_matrix import run as run_mutants
 
             return run_mutants(args)
+        if args.command == "ckpt":
+            from ._ckpt import run as run_ckpt
+
+            return run_ckpt(args)
         if args.command == "reproduce":
             from ._reproduce import run
 

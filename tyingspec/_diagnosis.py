@@ -246,7 +246,8 @@ def _scan(actual: np.ndarray, d_in: np.ndarray, d_out: np.ndarray, tol: Toleranc
         mx_abs = max(mx_abs, float(diff.max(initial=0.0)))
         nz = abs_ref > 0
         if nz.any():
-            mx_rel = max(mx_rel, float((diff[nz] / abs_ref[nz]).max()))
+            with np.errstate(over="ignore"):  # a subnormal reference: the ratio is inf, as it is
+                mx_rel = max(mx_rel, float((diff[nz] / abs_ref[nz]).max()))
         out_power = out_power or bool((np.abs(do) > allow).any())
     return _Scan(row_ratio, float(row_ratio.max(initial=0.0)), mx_abs, mx_rel, out_power)
 
