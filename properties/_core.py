@@ -10,7 +10,7 @@ told a broken implementation from a correct one, so it is not counted as evidenc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from hypothesis import assume, currently_in_test_context, event
@@ -19,7 +19,7 @@ from hypothesis.errors import UnsatisfiedAssumption
 
 from tyingspec._cases import Case
 from tyingspec._diagnosis import Diagnosis
-from tyingspec._engine import Target
+from tyingspec._engine import Observation, Target
 from tyingspec._render import batch_lines, diagnosis_lines
 
 #: A property's check: raises PropertyFailure when the invariant is broken for ``target`` on
@@ -92,6 +92,21 @@ def require_power(diag: Diagnosis) -> None:
     discarded: ``tyingspec check`` would report it, and so does the property."""
     if diag.label == "no_power":
         discard("no power (a dropped path would pass on this example)")
+
+
+def require_rows(prop: str, o: Observation) -> None:
+    """The rows' own verdict of an observation whose label a named check may have decided
+    (the torch and linear-ce kinds): pass, discard without power, or fail with the rows'
+    label (and the diagnosis as it is when that label is also the observation's)."""
+    diag = o.diagnosis
+    label = diag.rows_label or diag.label
+    if label in ("correct", "no_power"):
+        require_power(replace(diag, label=label))
+        return
+    if label != diag.label:
+        diag = replace(diag, label=label, detail="")
+    raise PropertyFailure(prop, "the tied gradient is not the sum of its two paths", o.case,
+                          diagnosis=diag)
 
 
 def discard(reason: str) -> NoReturn:

@@ -8,8 +8,6 @@ declare is discarded: an unsupported option is never run as if it were off.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 from hypothesis import strategies as st
 
@@ -17,7 +15,7 @@ from tyingspec._cases import Case
 from tyingspec._engine import Observation, Target, described, observe, runnable
 from tyingspec._linear_ce_kind import restricted
 
-from ._core import PropertyFailure, discard, register, require_power
+from ._core import PropertyFailure, discard, register, require_rows
 
 
 @st.composite
@@ -86,12 +84,4 @@ def ce_kernel_outputs(target: Target, case: Case) -> None:
 def ce_tie_is_the_sum_of_paths(target: Target, case: Case) -> None:
     """With the kernel as the probe model's head, the tied gradient (the kernel's dE plus the
     scatter-add of the input path its dh implies) is the reference's two paths, row by row."""
-    o = _observed(target, case)
-    diag = o.diagnosis
-    label = diag.rows_label or diag.label
-    if label in ("correct", "no_power"):
-        require_power(replace(diag, label=label))
-        return
-    raise PropertyFailure("ce_tie_is_the_sum_of_paths", "the tied gradient is not the sum of "
-                          "its two paths", o.case,
-                          diagnosis=replace(diag, label=label, detail=""))
+    require_rows("ce_tie_is_the_sum_of_paths", _observed(target, case))

@@ -17,7 +17,7 @@ from tyingspec._engine import Observation, Target, observe, own_case
 from tyingspec._findings import Finding
 from tyingspec._strategies import cases
 
-from ._core import PropertyFailure, register, require_power
+from ._core import PropertyFailure, register, require_rows
 
 #: Compositions a model's fixed shape can always hold (N may exceed V: no "distinct" there).
 TORCH_COMPOSITIONS = ("random", "distinct", "repeats", "one-token", "with-zero", "no-zero",
@@ -70,16 +70,7 @@ def torch_gradient_by_path(target: Target, case: Case) -> None:
     g.T @ h, both observed at the tie's two uses in float64 (padding_idx honoured)."""
     o = _observed(target, case, "gradient")
     _fail_on("torch_gradient_by_path", o, ("tie discovered",))
-    label = o.diagnosis.rows_label or o.diagnosis.label
-    if label in ("correct", "no_power"):
-        require_power(replace(o.diagnosis, label=label))
-        return
-    diag = o.diagnosis if o.diagnosis.rows_label is None else \
-        replace(o.diagnosis, label=label, detail="")
-    if o.diagnosis.label == "padding_row_masked":
-        diag = o.diagnosis
-    raise PropertyFailure("torch_gradient_by_path", "the tied gradient is not the sum of its "
-                          "two paths", o.case, diagnosis=diag)
+    require_rows("torch_gradient_by_path", o)
 
 
 @register("torch_gradient_against_forward", "SUM", torch_cases)

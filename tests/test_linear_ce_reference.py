@@ -15,6 +15,7 @@ import pytest
 from hypothesis import example, given, note
 from hypothesis import strategies as st
 
+from tyingspec._finite import _central
 from tyingspec._linear_ce import REDUCTIONS, VARIANTS, CEOptions, CEResult, linear_ce
 from tyingspec._symbolic_ce import symbolic_linear_ce
 from tyingspec._tolerance import Terms, row_tolerance, value_tolerance
@@ -60,18 +61,8 @@ def contract_objective(h: np.ndarray, E: np.ndarray, y: np.ndarray, b: np.ndarra
     return scale * float((t * loss).sum() / t.sum()) if t.sum() != 0 else 0.0
 
 
-def central(f: object, a: np.ndarray, step: float = 1e-6) -> np.ndarray:
-    """Central differences of ``f()`` over every entry of ``a`` (perturbed in place)."""
-    grad = np.zeros_like(a)
-    for i in np.ndindex(*a.shape):
-        keep = a[i]
-        a[i] = keep + step
-        up = f()  # type: ignore[operator]
-        a[i] = keep - step
-        down = f()  # type: ignore[operator]
-        a[i] = keep
-        grad[i] = (up - down) / (2 * step)
-    return grad
+#: Central-difference step (tyingspec's own helper perturbs each entry of the array in place).
+STEP = 1e-6
 
 
 def assert_close(name: str, actual: np.ndarray, expected: np.ndarray, rtol: float) -> None:
@@ -160,11 +151,11 @@ def test_closed_form_equals_central_differences_of_the_contract(p: Problem) -> N
     def f() -> float:
         return contract_objective(h, E, p.targets, b, p.options, p.go)
 
-    assert_close("dh", ref.dh, central(f, h), 1e-6)
-    assert_close("dE", ref.dE, central(f, E), 1e-6)
+    assert_close("dh", ref.dh, _central(f, h, STEP), 1e-6)
+    assert_close("dE", ref.dE, _central(f, E, STEP), 1e-6)
     if b is not None:
         assert ref.db is not None
-        assert_close("db", ref.db, central(f, b), 1e-6)
+        assert_close("db", ref.db, _central(f, b, STEP), 1e-6)
     else:
         assert ref.db is None
     # the forward too: the contract's loss (for none, each token's L_i via one-hot go)

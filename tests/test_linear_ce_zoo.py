@@ -44,13 +44,7 @@ RTOL64, ATOL64 = 1e-10, 1e-12
 RTOL32, ATOL32 = 2e-4, 2e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # tiny matrices: intra-op threads only add overhead (and contend under pytest -n)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,14 +36,7 @@ ONCE = [1, 4, 7, 8, 9]
 RTOL, ATOL = 1e-7, 1e-12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # the models are tiny: intra-op threads only add overhead, and under a loaded machine (or
-    # pytest -n) that overhead made one check take seconds instead of tens of milliseconds
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def close(actual: Tensor, expected: Tensor) -> None:

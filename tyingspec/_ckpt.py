@@ -150,13 +150,7 @@ def load(path: str) -> Checkpoint:
     if not path.endswith(".json"):
         fmt, tensors, meta = _load_one(path)
         return Checkpoint(path, fmt, tensors, meta, [path])
-    try:
-        with open(path, encoding="utf-8") as fh:
-            index = json.load(fh)
-    except OSError as exc:
-        raise CkptError(f"{path}: cannot be read ({exc.strerror})") from exc
-    except json.JSONDecodeError as exc:
-        raise CkptError(f"{path}: not a JSON index ({exc})") from exc
+    index = _read_json(path, "a JSON index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CkptError(f"{path}: expected a sharded-checkpoint index with a non-empty "
@@ -184,14 +178,18 @@ def load(path: str) -> Checkpoint:
                       files)
 
 
-def _read_config(path: str) -> dict[str, Any]:
+def _read_json(path: str, what: str) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
-            config = json.load(fh)
+            return json.load(fh)
     except OSError as exc:
         raise CkptError(f"{path}: cannot be read ({exc.strerror})") from exc
     except json.JSONDecodeError as exc:
-        raise CkptError(f"{path}: not a JSON config ({exc})") from exc
+        raise CkptError(f"{path}: not {what} ({exc})") from exc
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    config = _read_json(path, "a JSON config")
     if not isinstance(config, dict):
         raise CkptError(f"{path}: expected a JSON object, got {type(config).__name__}")
     return config

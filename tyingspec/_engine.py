@@ -322,16 +322,10 @@ def _with_findings(diag: Diagnosis, returned: Returned) -> Diagnosis:
     return replace(diag, findings=returned.findings, rows_label=rows_label)
 
 
-_SHAPES: dict[tuple[str, str], tuple[int, int, int] | None] = {}
-
-
 def own_case(target: Target, case: Case) -> Case:
     """``case`` at the target's own shape (see :func:`shape_of`; asked once per target), its
     composition and seed kept: how a property draws batches for a torch model."""
-    key = (target.spec, target.kind)
-    if key not in _SHAPES:
-        _SHAPES[key] = shape_of(target)
-    shape = _SHAPES[key]
+    shape = shape_of(target)
     if shape is None:
         return case
     V, d, N = shape
@@ -348,7 +342,7 @@ def shape_of(target: Target) -> tuple[int, int, int] | None:
     batch_size x seq_len): that shape, asked of the target; None for other kinds."""
     if not target.table.own_shape:
         return None
-    tie = _invoke(target, {"mode": "describe", "seed": 0}).evidence["tie"]
+    tie = described(target)["tie"]
     return int(tie["vocab"]), int(tie["width"]), int(tie["batch_size"]) * int(tie["seq_len"])
 
 

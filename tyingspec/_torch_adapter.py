@@ -30,7 +30,7 @@ from torch import nn
 from ._adapters import AdapterError, Returned
 from ._diagnosis import Label
 from ._findings import Finding, failed, not_applicable, passed
-from ._torch_model import Tie, as_target, build_model, describe, loss_function
+from ._torch_model import Tie, as_target, build_model, describe, loss_function, owner
 from ._torch_target import TorchTarget
 
 #: The checks one call can run; a property asks for its own, ``tyingspec check`` for all.
@@ -41,7 +41,6 @@ Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 #: Identity and optimizer findings per target, run once per worker: they do not depend on the
 #: batch (each rebuilds the model from its factory), and they are the slow part of a call.
 _STRUCTURAL: dict[tuple[str, str], list[Finding]] = {}
-_SPEC: dict[str, str] = {}
 
 _U64 = float(np.finfo(np.float64).eps) / 2
 
@@ -65,7 +64,6 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     # the models a check builds are small: one thread avoids the cost of waking a pool per
     # operation (seen: 3 s against 0.05 s per call on a busy 2-core machine)
     torch.set_num_threads(1)
-    _SPEC["spec"] = spec  # named by an error raised deep in a check
     target = as_target(spec, fn)
     seed = int(inputs.get("seed", 0))
     model = build_model(spec, target, seed)
@@ -82,7 +80,7 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
                            got=f"{tokens.size} tokens")
     t = torch.from_numpy(tokens.reshape(B, -1).copy())
     y = torch.from_numpy(targets.reshape(B, -1).copy())
-    loss_of = loss_function(target, tie)
+    loss_of = _scalar(spec, loss_function(target, tie))
     checks = tuple(inputs.get("checks", CHECKS))
     findings: list[Finding] = [found]
     if found.failed:  # no tie: nothing to keep identical, and two tensors for the optimizer
@@ -130,12 +128,21 @@ def _structural(spec: str, target: TorchTarget, seed: int, tie: Tie, group: str,
     return _STRUCTURAL[key]
 
 
+def _scalar(spec: str, loss_of: Loss) -> Loss:
+    """``loss_of`` that names the target when the model's loss is not a scalar tensor (every
+    check, identity and optimizer included, takes its loss through it)."""
+    def checked(m: nn.Module, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(m, t, y)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise AdapterError(spec, "the loss is not a scalar tensor",
+                               expected="a 0-dim tensor", got=repr(loss)[:80])
+        return loss
+    return checked
+
+
 def _backward(m: nn.Module, loss_of: Loss, t: torch.Tensor, y: torch.Tensor,
               scale: float = 1.0) -> torch.Tensor:
     loss = loss_of(m, t, y)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise AdapterError(_SPEC.get("spec", "torch model"), "the loss is not a scalar tensor",
-                           expected="a 0-dim tensor", got=repr(loss)[:80])
     (loss * scale).backward()  # type: ignore[no-untyped-call]
     return loss
 
@@ -144,16 +151,11 @@ def _grad(m: nn.Module, tie: Tie) -> np.ndarray:
     return _numpy(m.get_parameter(tie.embedding).grad, (tie.vocab, tie.width))
 
 
-def _owner(m: nn.Module, name: str) -> nn.Module:
-    prefix = name.rpartition(".")[0]
-    return m.get_submodule(prefix) if prefix else m
-
-
 def _observe_paths(spec: str, base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
                    y: torch.Tensor) -> tuple[dict[str, Any], np.ndarray, float]:
     """The model's own tied gradient, and dx, h, g recorded at the two uses."""
     m = copy.deepcopy(base)
-    emb_mod, head_mod = _owner(m, tie.embedding), _owner(m, tie.head)
+    emb_mod, head_mod = owner(m, tie.embedding), owner(m, tie.head)
     E = m.get_parameter(tie.embedding)
     seen: dict[str, list[Any]] = {"ids": [], "x": [], "dx": [], "h": [], "out": [], "g": []}
 
@@ -389,9 +391,3 @@ def _micro_batches(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
     return failed(check, invariant, "unknown",
                   f"{k} micro-batches do not sum to the whole batch's gradient")
 
-
-def describe_target(spec: str, fn: Any, seed: int = 0) -> tuple[Tie, Finding, TorchTarget]:
-    """The tie of ``fn``'s model, in this process (tests and the benchmark)."""
-    target = as_target(spec, fn)
-    tie, found = describe(spec, build_model(spec, target, seed), target)
-    return tie, found, target

@@ -66,7 +66,8 @@ def build_model(spec: str, target: TorchTarget, seed: int) -> nn.Module:
     return model
 
 
-def _owner(model: nn.Module, name: str) -> nn.Module:
+def owner(model: nn.Module, name: str) -> nn.Module:
+    """The module holding parameter ``name`` (the model itself for a top-level one)."""
     prefix = name.rpartition(".")[0]
     return model.get_submodule(prefix) if prefix else model
 
@@ -118,7 +119,7 @@ def _pairs(model: nn.Module) -> list[tuple[str, str]]:
 
 
 def _is_embedding_use(model: nn.Module, name: str) -> bool:
-    return isinstance(_owner(model, name), nn.Embedding)
+    return isinstance(owner(model, name), nn.Embedding)
 
 
 def find_tie(spec: str, model: nn.Module, target: TorchTarget) -> tuple[str, str, str, Finding]:
@@ -195,8 +196,7 @@ def describe(spec: str, model: nn.Module, target: TorchTarget) -> tuple[Tie, Fin
     emb, head, how, finding = find_tie(spec, model, target)
     weight = model.get_parameter(emb)
     V, d = int(weight.shape[0]), int(weight.shape[1])
-    owner = _owner(model, emb)
-    pad = getattr(owner, "padding_idx", None)
+    pad = getattr(owner(model, emb), "padding_idx", None)
     return Tie(emb, head, V, d, None if pad is None else int(pad), convention(model, target),
                max(1, target.batch_size), seq_len(model, target), how), finding
 
@@ -205,9 +205,9 @@ def seq_len(model: nn.Module, target: TorchTarget) -> int:
     if target.seq_len:
         return int(target.seq_len)
     # the context length, from transformers' and nanoGPT's configs or the model itself
-    for owner in (getattr(model, "config", None), model):
+    for source in (getattr(model, "config", None), model):
         for key in ("n_positions", "max_position_embeddings", "block_size", "n_ctx"):
-            value = getattr(owner, key, None)
+            value = getattr(source, key, None)
             if isinstance(value, int) and value > 1:
                 return min(value, MAX_SEQ_LEN)
     return MAX_SEQ_LEN
