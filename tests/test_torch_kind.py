@@ -222,3 +222,13 @@ def test_the_probe_model_contract_takes_padding_idx(tmp_path: Path, attr: str, c
                                 "--case", "token-zero"], cwd=tmp_path, capture_output=True,
                                text=True, timeout=300)
         assert plain.returncode == 0, plain.stdout[-2000:]
+
+
+def test_a_builtin_name_runs_in_its_own_kind_without_kind(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # `tyingspec check --list` names each built-in with its kind; the name alone reaches it
+    assert main(["check", "nanogpt-copy-tie", "--case", "repeated-tokens"]) == 1
+    out = capsys.readouterr().out
+    assert "--kind torch" in out and "tie_is_a_copy" in out
+    assert main(["check", "ce-scale-dropped", "--case", "ce-logit-scale"]) == 1
+    assert "logit_scale_dropped" in capsys.readouterr().out

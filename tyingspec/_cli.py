@@ -32,8 +32,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                     "batches and diagnose each. Exit 0 all correct, 1 a gradient is wrong, "
                     "2 usage or adapter error.")
     p.add_argument("target", nargs="?", help="built-in name or module:attr")
-    p.add_argument("--kind", choices=KIND_NAMES, default="model",
-                   help="adapter contract (default model)")
+    p.add_argument("--kind", choices=KIND_NAMES, default=None,
+                   help="adapter contract (default: a built-in's own kind, else model)")
     p.add_argument("--precision", choices=("auto", "float64", "float32", "bfloat16", "float16"),
                    default="auto",
                    help="precision to build the cases in and judge at; auto (default): build "
@@ -127,6 +127,25 @@ def _list() -> int:
     return EXIT_OK
 
 
+def _builtin_kind(target: str) -> str:
+    """The kind ``tyingspec check TARGET`` runs without --kind: a built-in's own (the first
+    that has it: model before kernel; a torch or linear-ce zoo name its zoo's), else model."""
+    if ":" in target:
+        return "model"
+    from ._kinds import KINDS
+    from ._registry import builtins
+
+    impl = builtins().get(target)
+    for name, spec in KINDS.items():
+        if impl is None and spec.builtins is not None:
+            found = spec.builtins().get(target)
+            if found is not None and found.adapter(name) is not None:
+                return name
+        elif impl is not None and impl.adapter(name) is not None:
+            return name
+    return "model"
+
+
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._check import check_target
     from ._files import OutputError, check_distinct, usable_output
@@ -170,6 +189,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from ._kinds import kind_spec as _kind
 
+    if args.kind is None:
+        args.kind = _builtin_kind(args.target)
     cases = _kind(args.kind).cases(args.seed)
     notes: list[str] = []
     if args.shape is not None:
