@@ -1,6 +1,7 @@
 """What running user code in a worker process costs per call.
 
-    python -m benchmarks.bench_isolation [--repeats 5 --calls 200]
+    python -m benchmarks.bench_isolation [--repeats 5 --calls 200] [--skip-small]
+    python -m benchmarks.bench_isolation --skip-small --gpt2-repeats 5   # GPT-2 size only
 
 For a model adapter (tyingspec's built-in ``untied-sum``, loaded as ``module:attr`` so it takes
 the isolated path) it times, interleaved over ``--repeats`` rounds, ``--calls`` calls of
@@ -8,6 +9,15 @@ the isolated path) it times, interleaved over ``--repeats`` rounds, ``--calls`` 
 (V=32, d=8, N=12) and at a larger one (V=4096, d=256, N=512), and prints the per-call median,
 min and max and the difference (the isolation's cost: pickling the inputs and outputs through
 a pipe).  It also times starting the worker (spawn + imports).
+
+At GPT-2 size (V=50257, d=768, float32; ``--gpt2-repeats 0`` skips it) it times the two calls
+``tyingspec check benchmarks.torch_probe:tied_f32 --precision float32 --shape 50257,768,1024``
+makes: the first on the ``absent-tokens`` batch (N=1024), the second at E after one SGD step
+on its first 64 positions.  Each round, interleaved: both calls of the bare function in a
+freshly spawned process, then both through a freshly started worker (as each check starts
+one; the starts are not timed), so that both first calls pay torch's first-call costs.  The
+overhead of a call is the worker's time minus the bare function's in the same round: sending
+the inputs, the adapter's copies and validation, and bringing dE back.
 """
 
 from __future__ import annotations
@@ -16,9 +26,15 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import numpy as np
 
 from tyingspec import Case, build, load
-from tyingspec._engine import Target, call
+from tyingspec._cases import Batch, at_shape, sgd_step, standard_cases
+from tyingspec._engine import SECOND_CALL_POSITIONS, Target, call
 
 
 def _per_call(target: Target, case: Case, calls: int) -> float:
@@ -34,11 +50,90 @@ def _spread(xs: list[float]) -> str:
             f"max {max(xs) * 1e3:8.3f} ms")
 
 
+GPT2_SPEC = "benchmarks.torch_probe:tied_f32"
+
+
+def _first_batch() -> Batch:
+    """The batch of a GPT-2-size check's first call: the ``absent-tokens`` case in float32."""
+    case = next(c for c in at_shape(standard_cases(0), 50257, 768, 1024)[0]
+                if c.name == "absent-tokens")
+    return build(replace(case, dtype="float32"))
+
+
+def _second_batch(first: Batch, dE: Any) -> Batch:
+    """The second call's: E after one SGD step along the first call's dE, on the first 64
+    positions."""
+    moved = sgd_step(first, np.asarray(dE))
+    assert moved is not None
+    return replace(moved[0], tokens=moved[0].tokens[:SECOND_CALL_POSITIONS],
+                   targets=moved[0].targets[:SECOND_CALL_POSITIONS])
+
+
+def _bare(batch: Batch) -> tuple[float, Any]:
+    from benchmarks.torch_probe import tied_f32
+
+    t0 = time.perf_counter()
+    out = tied_f32(batch.E, batch.W, batch.b, batch.tokens, batch.targets, res=batch.res,
+                   s_in=batch.s_in)
+    return time.perf_counter() - t0, out["dE"]
+
+
+def _bare_calls() -> list[float]:
+    """Both calls of the bare function in a fresh process, as the worker makes them: its
+    first call pays torch's first-call costs too."""
+    first = _first_batch()
+    one, dE = _bare(first)
+    two, _ = _bare(_second_batch(first, dE))
+    return [one, two]
+
+
+def _gpt2(repeats: int) -> None:
+    """The two calls of a GPT-2-size check: the bare function and through the worker, each in
+    a fresh process per round."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    first = _first_batch()
+    calls = {"first call": first, "second call": _second_batch(first, _bare(first)[1])}
+    bare: dict[str, list[float]] = {k: [] for k in calls}
+    worker: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(repeats):
+        # the bare calls' process builds its own batches from the same seed (not timed)
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+            for name, seconds in zip(calls, pool.submit(_bare_calls).result()):
+                bare[name].append(seconds)
+        target = load(GPT2_SPEC, "model", "float32")
+        try:
+            for name, batch in calls.items():
+                t0 = time.perf_counter()
+                call(target, batch)
+                worker[name].append(time.perf_counter() - t0)
+        finally:
+            target.close()
+            time.sleep(1.0)  # the closed worker's exit (torch's finalisers) is not timed
+    print(f"== V=50257 d=768 float32, {GPT2_SPEC}, {repeats} rounds (torch {torch.__version__})")
+    for name in calls:
+        gaps = [w - b for w, b in zip(worker[name], bare[name])]
+        print(f"  {name}: bare function {_spread(bare[name])}")
+        print(f"  {'':11} worker call   {_spread(worker[name])}")
+        print(f"  {'':11} overhead      {_spread(gaps)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--skip-small", action="store_true",
+                    help="only the GPT-2-size calls")
+    ap.add_argument("--gpt2-repeats", type=int, default=5,
+                    help="rounds of the GPT-2-size calls (0: skip them)")
     a = ap.parse_args()
+    if a.gpt2_repeats:
+        _gpt2(a.gpt2_repeats)
+    if a.skip_small:
+        return
     spec = "tyingspec._implementations:_untied_sum"  # a correct model adapter, by module:attr
     starts: list[float] = []
     t0 = time.perf_counter()
@@ -52,8 +147,8 @@ def main() -> None:
     for label, case, calls in sizes:
         runs: dict[str, list[float]] = {"in-process": [], "worker": []}
         order: list[tuple[str, Callable[[], float]]] = [
-            ("in-process", lambda c=case, n=calls: _per_call(inproc, c, n)),
-            ("worker", lambda c=case, n=calls: _per_call(isolated, c, n))]
+            ("in-process", partial(_per_call, inproc, case, calls)),
+            ("worker", partial(_per_call, isolated, case, calls))]
         for _ in range(a.repeats):  # interleaved: A, B, A, B, ...
             for name, fn in order:
                 runs[name].append(fn())

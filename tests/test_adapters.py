@@ -11,6 +11,7 @@ import pytest
 
 from tyingspec import KINDS, AdapterError, Case, build, load, resolve
 from tyingspec._adapters import call_kernel, call_model
+from tyingspec._isolation import SHARE_ABOVE
 
 B = build(Case("a", V=6, d=3, N=5, seed=1, composition="repeats"))
 INPUTS = KINDS["model"].inputs(B)
@@ -87,6 +88,224 @@ def test_mutating_adapter_is_reported_and_callers_arrays_stay_untouched() -> Non
     out = _call(fn)
     assert out.mutated == ("E", "tokens")  # type: ignore[attr-defined]
     np.testing.assert_array_equal(B.E, E0)
+
+
+WRITERS = """
+from tyingspec._implementations import REGISTRY
+
+def _good(E, W, b, tokens, targets, *, res, s_in):
+    return REGISTRY["tied"].model(E, W, b, tokens, targets, res=res, s_in=s_in)
+
+def clean(E, W, b, tokens, targets, *, res, s_in):
+    return _good(E, W, b, tokens, targets, res=res, s_in=s_in)
+
+def writes_E(E, W, b, tokens, targets, *, res, s_in):
+    out = _good(E, W, b, tokens, targets, res=res, s_in=s_in)
+    E[3, 1] = -E[3, 1]
+    return out
+
+def writes_E_and_tokens(E, W, b, tokens, targets, *, res, s_in):
+    out = _good(E, W, b, tokens, targets, res=res, s_in=s_in)
+    E *= 2.0
+    tokens[:] = 0
+    return out
+
+def hangs(E, W, b, tokens, targets, *, res, s_in):
+    import time
+    time.sleep(3600)
+
+def segfaults(E, W, b, tokens, targets, *, res, s_in):
+    import ctypes
+    ctypes.string_at(0)
+
+def writes_minus_zero_over_zero(E, W, b, tokens, targets, *, res, s_in):
+    out = _good(E, W, b, tokens, targets, res=res, s_in=s_in)
+    E[E == 0.0] = -0.0  # equal in value, other bits: still a write
+    return out
+"""
+
+
+@pytest.mark.parametrize("attr,mutated", [
+    ("clean", ()), ("writes_E", ("E",)), ("writes_E_and_tokens", ("E", "tokens"))])
+def test_a_worker_target_writing_into_a_shared_input_is_reported_and_the_callers_arrays_stay(
+        tmp_path, attr: str, mutated: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
+    from tyingspec._engine import call, observe
+
+    (tmp_path / "writers.py").write_text(WRITERS)
+    case = Case("big", V=1024, d=256, N=16, seed=3)
+    batch = build(case)
+    # E goes through shared memory (the worker hands it over uncopied), tokens is pickled
+    assert batch.E.nbytes >= SHARE_ABOVE > batch.tokens.nbytes
+    E0, tokens0 = batch.E.copy(), batch.tokens.copy()
+    target = load(f"writers:{attr}", "model", paths=(str(tmp_path),))
+    try:
+        assert target.worker is not None
+        assert call(target, batch).mutated == mutated
+        np.testing.assert_array_equal(batch.E, E0)
+        np.testing.assert_array_equal(batch.tokens, tokens0)
+        # again, on the blocks written afresh: the same answer
+        assert call(target, batch).mutated == mutated
+        obs = observe(target, case)
+        assert obs.label == ("correct" if not mutated else "inputs_mutated"), obs.label
+    finally:
+        target.close()
+
+
+def test_a_write_of_equal_value_into_a_shared_input_is_reported(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tyingspec._engine import call
+
+    (tmp_path / "writers.py").write_text(WRITERS)
+    batch = build(Case("big", V=1024, d=256, N=16, seed=3))
+    batch.E[5, :] = 0.0  # the target writes -0.0 over these: a comparison by value sees nothing
+    target = load("writers:writes_minus_zero_over_zero", "model", paths=(str(tmp_path),))
+    try:
+        assert call(target, batch).mutated == ("E",)
+        assert not np.signbit(batch.E[5]).any()
+    finally:
+        target.close()
+
+
+KEEPERS = """
+from tyingspec._implementations import untied_forward_backward
+
+_kept = {}
+
+def _with_head(E, U, W, b, tokens, targets, res, s_in):
+    out = untied_forward_backward(E, U, W, b, tokens, targets, res=res, s_in=s_in)
+    return {"loss": out["loss"], "dE": out["dE"] + out["dU"], "dW": out["dW"], "db": out["db"]}
+
+def keeps_E(E, W, b, tokens, targets, *, res, s_in):
+    # the head is the E of the first call, kept without a copy: a stale tie after a step
+    U = _kept.setdefault("E", E)
+    return _with_head(E, U, W, b, tokens, targets, res, s_in)
+
+def keeps_a_slice_of_E(E, W, b, tokens, targets, *, res, s_in):
+    U = _kept.setdefault("slice", E[:, :])  # a view of the view: it keeps E's view alive
+    return _with_head(E, U, W, b, tokens, targets, res, s_in)
+"""
+
+
+@pytest.mark.parametrize("attr", ["keeps_E", "keeps_a_slice_of_E"])
+def test_an_input_the_worker_target_keeps_stays_its_own_copy_as_in_process(
+        tmp_path, monkeypatch, attr: str) -> None:  # type: ignore[no-untyped-def]
+    import uuid
+
+    from tyingspec._engine import observe
+
+    module = f"keepers_{uuid.uuid4().hex}"  # in-process state of its own
+    (tmp_path / f"{module}.py").write_text(KEEPERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    case = Case("big", V=1024, d=256, N=16, seed=3)
+    assert build(case).E.nbytes >= SHARE_ABOVE
+    labels = []
+    for isolate in (False, True):
+        target = load(f"{module}:{attr}", "model", isolate=isolate, paths=(str(tmp_path),))
+        try:
+            assert (target.worker is not None) == isolate
+            obs = observe(target, case)
+            assert obs.diagnosis.wrong, obs.label  # the kept head is stale after the step
+            labels.append(obs.label)
+            obs = observe(target, case)  # again: its kept head is still the first call's E
+            labels.append(obs.label)
+        finally:
+            target.close()
+    assert labels[:2] == labels[2:], labels
+
+
+def _exists(name: str) -> bool:
+    from multiprocessing import shared_memory
+
+    try:
+        shared_memory.SharedMemory(name=name).close()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def test_a_large_dE_comes_back_bit_for_bit_and_its_block_is_gone(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "writers.py").write_text(WRITERS)
+    batch = build(Case("big", V=1024, d=256, N=16, seed=3))
+    inputs = KINDS["model"].inputs(batch)
+    here = call_model("writers:clean", _good, inputs)
+    target = load("writers:clean", "model", paths=(str(tmp_path),))
+    try:
+        worker = target.worker
+        assert worker is not None
+        got = []
+        for _ in range(2):
+            worker.submit(inputs)
+            name = worker._result
+            assert name is not None
+            got.append(worker.collect().dE)
+            assert got[-1].nbytes >= SHARE_ABOVE and not _exists(name)
+        # a new block each call: the first dE is left as it was
+        assert not np.shares_memory(*got)
+        assert got[0].tobytes() == got[1].tobytes() == here.dE.tobytes()
+    finally:
+        target.close()
+
+
+@pytest.mark.parametrize("attr", ["hangs", "segfaults"])
+def test_a_worker_that_dies_in_a_large_call_leaves_no_shared_memory(
+        tmp_path, attr: str) -> None:  # type: ignore[no-untyped-def]
+    from multiprocessing import shared_memory
+
+    (tmp_path / "writers.py").write_text(WRITERS)
+    batch = build(Case("big", V=1024, d=256, N=16, seed=3))
+    target = load(f"writers:{attr}", "model", paths=(str(tmp_path),), timeout=2)
+    try:
+        worker = target.worker
+        assert worker is not None
+        worker.submit(KINDS["model"].inputs(batch))
+        pool = [b.name for b in worker._pool]
+        result = worker._result
+        assert pool and result is not None
+        # as if the worker had made its result block just before it died: the name is the
+        # parent's, so the parent unlinks it once the worker is gone
+        shared_memory.SharedMemory(name=result, create=True, size=1 << 20).close()
+        with pytest.raises(AdapterError, match="timed out|SIGSEGV"):
+            worker.collect()
+        assert not _exists(result)
+        assert not any(_exists(name) for name in pool)
+    finally:
+        target.close()
+
+
+def test_a_finite_array_whose_float32_sum_overflows_passes_validation() -> None:
+    from tyingspec._adapters import validate_array
+
+    a = np.full((4, 3), 3e38, dtype=np.float32)
+    a[1, 2] = -1.0
+    with np.errstate(over="ignore"):
+        assert np.isinf(a.sum())  # the premise: the sum alone would call it non-finite
+    assert validate_array("user:f", "dE", a, (4, 3)) is a
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("where", [(0, 0), (2, 1), (4, 2)])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_nan_or_inf_anywhere_is_reported_with_its_count_and_first_place(
+        dtype: str, where: tuple[int, int], bad: float) -> None:
+    from tyingspec._adapters import validate_array
+    from tyingspec._tolerance import numpy_dtype
+
+    a = np.ones((5, 3), dtype=numpy_dtype(dtype))  # type: ignore[arg-type]
+    a[where] = bad
+    with pytest.raises(AdapterError) as info:
+        validate_array("user:f", "dE", a, (5, 3))
+    assert str(info.value) == ("adapter 'user:f': key 'dE': non-finite values; expected "
+                               f"finite floats, got 1 NaN/inf entries, first at {where}")
+
+
+def test_an_inf_and_a_minus_inf_are_both_counted() -> None:
+    from tyingspec._adapters import validate_array
+
+    a = np.zeros((2, 3), dtype=np.float32)
+    a[1, 0], a[0, 2] = np.inf, -np.inf  # their sum is NaN, not inf: still caught
+    with pytest.raises(AdapterError, match=r"got 2 NaN/inf entries, first at \(0, 2\)$"):
+        validate_array("user:f", "dE", a, (2, 3))
 
 
 def test_kernel_adapter_wrong_shape_names_the_kernel_contract() -> None:

@@ -11,17 +11,26 @@ code and run in-process.
 State an adapter keeps between calls (a stateful bug, or a cache) lives in the worker and
 survives from one call to the next, as it would in the user's training loop, until the worker
 has to be restarted.
+
+Large arrays cross through shared memory, one copy each way.  The parent writes each large
+input into a block of its own (reused from call to call); the worker hands the adapter views
+of those blocks uncopied, since they are the call's own, and after the call the parent compares
+each block with what it wrote: a write into an input is still reported, and the caller's arrays
+are never touched.  A large dE comes back in a new block that the parent takes over as it is.
 """
 
 from __future__ import annotations
 
+import copy
 import faulthandler
 import multiprocessing as mp
+import secrets
 import signal
 import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
@@ -54,8 +63,9 @@ class _Shared:
 _POPULATE_READ, _POPULATE_WRITE = 22, 23
 
 
-def _populate(block: Any, *, write: bool) -> None:
-    advise = getattr(getattr(block, "_mmap", None), "madvise", None)
+def _populate(mapping: Any, *, write: bool) -> None:
+    """Fault in ``mapping`` (an ``mmap``, or a shared-memory block's) with one ``madvise``."""
+    advise = getattr(getattr(mapping, "_mmap", mapping), "madvise", None)
     if advise is None or not sys.platform.startswith("linux"):
         return
     try:
@@ -70,18 +80,49 @@ def _large(a: Any) -> bool:
     return isinstance(a, np.ndarray) and a.nbytes >= SHARE_ABOVE and not a.dtype.hasobject
 
 
-def _create(nbytes: int) -> Any:
+def _create(nbytes: int, name: str | None = None) -> Any:
     from multiprocessing import shared_memory
 
-    block = shared_memory.SharedMemory(create=True, size=nbytes)
+    block = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
     _populate(block, write=True)
     return block
+
+
+def _take(shared: _Shared) -> Any:
+    """The array the worker left in the block ``shared.name``, made this process's own without
+    a copy: the array owns a mapping of the block, whose name is unlinked at once, so its
+    memory goes with the array.  (Copying it out instead writes a fresh [V, d] array: 0.1-0.6 s
+    of page faults at GPT-2 size on a VM, where mapping the populated block takes ~0.01 s.)"""
+    import math
+    import mmap
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    block = shared_memory.SharedMemory(name=shared.name)
+    try:
+        # a mapping of the array's own: the block's goes when the block is closed, even
+        # under an array viewing it, so its descriptor is mapped again
+        mapping = mmap.mmap(block._fd, block.size)  # type: ignore[attr-defined]
+    finally:
+        block.close()
+        block.unlink()
+    _populate(mapping, write=False)
+    return np.frombuffer(mapping, dtype=np.dtype(shared.dtype),
+                         count=math.prod(shared.shape)).reshape(shared.shape)
+
+
+def _in_block(a: Any, block: Any) -> Any:
+    """The array of ``a``'s shape and dtype that ``block`` holds (or is to hold)."""
+    import numpy as np
+
+    return np.ndarray(a.shape, dtype=a.dtype, buffer=block.buf)
 
 
 def _write(a: Any, block: Any) -> _Shared:
     import numpy as np
 
-    np.copyto(np.ndarray(a.shape, dtype=a.dtype, buffer=block.buf), a, casting="no")
+    np.copyto(_in_block(a, block), a, casting="no")
     return _Shared(block.name, tuple(a.shape), a.dtype.str)
 
 
@@ -108,7 +149,9 @@ def _view(x: Any, attached: dict[str, Any]) -> Any:
 
 def _release(blocks: Any, *, unlink: bool) -> None:
     """Close (and unlink) every block of ``blocks`` (a list, or a dict's values), then empty
-    it.  A block still viewed somewhere stays mapped until its views go."""
+    it.  A block whose buffer is exported (a memoryview of it) stays mapped until that goes;
+    a numpy array over it exports nothing and would be left viewing unmapped memory, so no
+    array may view a block released here."""
     for block in list(blocks.values() if isinstance(blocks, dict) else blocks):
         try:
             block.close()
@@ -122,6 +165,17 @@ def _release(blocks: Any, *, unlink: bool) -> None:
     blocks.clear()
 
 
+def _written_over(inputs: Mapping[str, Any], written: Mapping[str, Any]) -> set[str]:
+    """The inputs sent through shared memory (``written``: the block each went into) whose
+    block no longer holds, bit for bit, what this process wrote there.  The worker hands those
+    to the adapter uncopied (see :class:`~tyingspec._adapters.PrivateInputs`): its write into
+    one shows here, and the caller's own array never saw it."""
+    from ._adapters import same_bits
+
+    return {k for k, block in written.items() if not same_bits(inputs[k],
+                                                               _in_block(inputs[k], block))}
+
+
 def _forget(attached: dict[str, Any], keep: set[str]) -> None:
     """Close the attached blocks the other process no longer sends (it has unlinked them)."""
     gone = {n: b for n, b in attached.items() if n not in keep}
@@ -130,10 +184,13 @@ def _forget(attached: dict[str, Any], keep: set[str]) -> None:
     _release(gone, unlink=False)
 
 
-def _unlink(name: str) -> None:
-    """Unlink a block a worker created and could not unlink itself (it was killed)."""
+def _unlink(name: str | None) -> None:
+    """Unlink the block ``name`` if there is one: a call's result block that was not taken (the
+    call failed, or the worker was killed before it could answer)."""
     from multiprocessing import shared_memory
 
+    if name is None:
+        return
     try:
         block = shared_memory.SharedMemory(name=name)
     except (FileNotFoundError, OSError):
@@ -177,54 +234,94 @@ def _serve(conn: Connection, spec: str, kind: str, paths: tuple[str, ...]) -> No
         conn.send(("error", AdapterError(spec, "import raised", got=_exc_text(exc))))
         return
     attached: dict[str, Any] = {}  # the parent's blocks, mapped once
-    result: list[Any] = []  # the block dE goes back in, reused while its size holds
     try:
-        _answer(conn, spec, fn, table, attached, result)
+        _answer(conn, spec, fn, table, attached)
     finally:
         _release(attached, unlink=False)
-        _release(result, unlink=True)
 
 
-def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str, Any],
-            result: list[Any]) -> None:
-    """Answer calls until told to stop.  The parent copies a result out of its block before it
-    sends the next call, so the block is free again whenever a call arrives."""
+def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str, Any]
+            ) -> None:
+    """Answer calls until told to stop.  A large dE goes back in a new block, under the name
+    the parent chose for the call: the parent takes the block over, and can unlink that name
+    whatever becomes of this process."""
     from ._adapters import AdapterError
 
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            return
-        if message is None:
-            return
-        _forget(attached, {v.name for v in message.values() if isinstance(v, _Shared)})
-        inputs = {k: _view(v, attached) for k, v in message.items()}
-        try:
-            returned = table.invoke(spec, fn, inputs)
-            inputs = {}  # the views into the parent's blocks go before the blocks can close
-            dE = returned.dE
-            if _large(dE):
-                if not result or result[0].size < dE.nbytes:
-                    _release(result, unlink=True)
-                    result.append(_create(dE.nbytes))
-                returned = replace(returned, dE=_write(dE, result[0]))
-            conn.send(("ok", returned))
-        except AdapterError as exc:
-            conn.send(("error", exc))
-        except BaseException as exc:  # noqa: BLE001  (SystemExit, KeyboardInterrupt, ...)
-            conn.send(("error", AdapterError(spec, "raised an exception",
-                                             got=_exc_text(exc))))
-        finally:
-            inputs = {}
+    # blocks the adapter kept a view of, each with a weak reference to that view: mapped while
+    # it is alive (closing a block unmaps it under any array still viewing it)
+    held: list[tuple[Any, Any]] = []
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return
+            if message is None:
+                return
+            gone = [b for b, view in held if view() is None]
+            held[:] = [(b, view) for b, view in held if view() is not None]
+            _release(gone, unlink=False)
+            reply, block = _call(spec, fn, table, message, attached, held)
+            try:
+                conn.send(reply)
+            except Exception as exc:  # noqa: BLE001  (a result that does not pickle)
+                conn.send(("error", AdapterError(spec, "raised an exception",
+                                                 got=_exc_text(exc)), reply[2]))
+            finally:
+                if block is not None:  # sent or not, it is the parent's to unlink
+                    block.close()
+    finally:
+        _release([b for b, _ in held], unlink=False)
 
 
-def _reap(proc: Any) -> None:
-    """Wait for a worker told to stop; kill it if it lingers."""
+def _call(spec: str, fn: Any, table: Any, message: tuple[str, dict[str, Any]],
+          attached: dict[str, Any], held: list[tuple[Any, Any]]
+          ) -> tuple[tuple[str, Any, set[str]], Any]:
+    """One call on what the parent sent (the result block's name, the inputs): the reply
+    (``"ok"`` and the result, or ``"error"`` and the AdapterError; and the names of the blocks
+    whose views the adapter kept) and the block dE went into, if any."""
+    from ._adapters import AdapterError, PrivateInputs
+
+    result, sent = message
+    shared = {k for k, v in sent.items() if isinstance(v, _Shared)}
+    _forget(attached, {sent[k].name for k in shared})
+    # the views are this call's own (the parent wrote the blocks for it and checks them after
+    # it): the adapter gets them uncopied
+    inputs: dict[str, Any] = PrivateInputs(
+        {k: _view(v, attached) for k, v in sent.items()}, shared)
+    # every array derived from a view (a slice, a torch tensor) keeps the view itself alive
+    views = {sent[k].name: weakref.ref(inputs[k]) for k in shared}
+    block = None
+    payload: Any
+    try:
+        returned = table.invoke(spec, fn, inputs)
+        inputs = {}
+        if _large(returned.dE):
+            block = _create(returned.dE.nbytes, result)
+            returned = replace(returned, dE=_write(returned.dE, block))
+        status, payload = "ok", returned
+    except AdapterError as exc:
+        # a copy without the traceback, whose frames hold the views
+        status, payload = "error", copy.copy(exc)
+    except BaseException as exc:  # noqa: BLE001  (SystemExit, KeyboardInterrupt, ...)
+        status, payload = "error", AdapterError(spec, "raised an exception",
+                                                got=_exc_text(exc))
+    inputs = {}
+    # A view still alive is the adapter's (a cache, a head kept from the first call), held as
+    # its own copy, as in-process: its block is never written again, and stays mapped here.
+    kept = {name for name, view in views.items() if view() is not None}
+    held += [(attached.pop(name), views[name]) for name in kept]
+    return (status, payload, kept), block
+
+
+def _reap(proc: Any, result: str | None) -> None:
+    """Wait for a worker told to stop; kill it if it lingers.  Then unlink ``result``, the
+    block a call still unanswered may have left: only now can the worker not create it."""
     proc.join(0.5)
     if proc.is_alive():
         proc.kill()
         proc.join(5)
+    _unlink(result)
 
 
 def _exc_text(exc: BaseException) -> str:
@@ -248,7 +345,9 @@ class Worker:
     _loading: float | None = None  # the load's deadline while its answer is still to come
     _running: float | None = None  # a submitted call's deadline while its answer is to come
     _pool: list[Any] = field(default_factory=list)  # blocks this process made for inputs
-    _results: dict[str, Any] = field(default_factory=dict)  # the worker's result blocks
+    # the call in flight: its inputs, and the block of the pool each large one was written to
+    _sent: tuple[Mapping[str, Any], dict[str, Any]] | None = None
+    _result: str | None = None  # the name of its result block, until its answer is read
 
     def launch(self) -> None:
         """Start the worker and let it import the target while this process goes on; the
@@ -323,10 +422,12 @@ class Worker:
                             f"{during}", expected="a returned result",
                             got="no result (the process ended)")
 
-    def _message(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """``inputs`` with each large array written into a block of this process's pool: a
-        block of the same size is reused (already mapped and faulted in), the others go."""
-        free, used = list(self._pool), []
+    def _message(self, inputs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """A fresh name for the call's result block, and ``inputs`` with each large array
+        written into a block of this process's pool: a block of the same size is reused
+        (already mapped and faulted in), the others go.  Which block each went into is kept
+        for :meth:`collect`."""
+        free, written = list(self._pool), {}
         message: dict[str, Any] = {}
         for k, v in inputs.items():
             if not _large(v):
@@ -337,11 +438,13 @@ class Worker:
                 block = _create(v.nbytes)
             else:
                 free.remove(block)
-            used.append(block)
+            written[k] = block
             message[k] = _write(v, block)
         _release(free, unlink=True)
-        self._pool = used
-        return message
+        self._pool = list(written.values())
+        self._sent = (inputs, written)
+        self._result = f"tyingspec_{secrets.token_hex(8)}"
+        return self._result, message
 
     def submit(self, inputs: Mapping[str, Any]) -> None:
         """Send one call of the target on ``inputs`` to the worker (started or restarted
@@ -363,26 +466,40 @@ class Worker:
         self._running = time.monotonic() + self.timeout
 
     def collect(self) -> Any:
-        """The answer to the call :meth:`submit` sent: the validated result (its dE copied out
-        of the worker's block), or the AdapterError it raised."""
-        assert self._running is not None
+        """The answer to the call :meth:`submit` sent: the validated result (its dE taken over
+        from the worker's block, and the inputs written over in their blocks added to its
+        ``mutated``), or the AdapterError it raised."""
+        assert self._running is not None and self._sent is not None
         deadline, self._running = self._running, None
-        reply = self._receive(deadline, self.timeout, "running the call")
-        if reply[0] == "error":
-            raise reply[1]
-        returned = reply[1]
-        if isinstance(returned.dE, _Shared):
-            import numpy as np
-
-            shared = returned.dE
-            try:
-                view = _view(shared, self._results)
-                dE = np.array(view, copy=True)  # the worker reuses the block for its next call
-                del view
-            finally:
-                _forget(self._results, {shared.name})
-            returned = replace(returned, dE=dE)
+        (inputs, written), self._sent = self._sent, None
+        # no answer (a timeout, a dead worker): stop() has reaped the worker and unlinked the
+        # result block, or will (an interrupt)
+        status, payload, kept = self._receive(deadline, self.timeout, "running the call")
+        result, self._result = self._result, None
+        try:
+            if status == "error":
+                raise payload
+            returned = payload
+            changed = _written_over(inputs, written)
+            if changed:  # named in the inputs' order, as the worker names the others
+                names = changed | set(returned.mutated)
+                returned = replace(returned, mutated=tuple(k for k in inputs if k in names))
+            if isinstance(returned.dE, _Shared):
+                returned = replace(returned, dE=_take(returned.dE))
+        except BaseException:
+            _unlink(result)  # a block the worker made before it failed, or one not taken
+            raise
+        finally:
+            self._retire(kept)
         return returned
+
+    def _retire(self, names: set[str]) -> None:
+        """Take the blocks ``names`` out of the pool: the adapter keeps views of them as its
+        own copies of its inputs, which the next call's inputs must not be written over (the
+        worker keeps them mapped; unlinked here, they go when those views go)."""
+        if names:
+            _release([b for b in self._pool if b.name in names], unlink=True)
+            self._pool = [b for b in self._pool if b.name not in names]
 
     def invoke(self, inputs: Mapping[str, Any]) -> Any:
         """One call of the target on ``inputs`` in the worker; restarts a dead worker first."""
@@ -397,26 +514,22 @@ class Worker:
         proc, conn = self._proc, self._conn
         self._proc = self._conn = None
         self._loading = self._running = None
+        self._sent = None
+        result, self._result = self._result, None
         if conn is not None:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError, ValueError):
                 pass
             conn.close()
-        # unlinked now, mapped or not: a worker that is killed cannot unlink its result block
-        # itself, and one that exits finds it gone (both fine)
-        names = list(self._results)
-        _release(self._results, unlink=False)
-        for name in names:
-            _unlink(name)
         _release(self._pool, unlink=True)
         if proc is None:
             return
         if wait:
-            _reap(proc)
+            _reap(proc, result)
         else:
-            threading.Thread(target=_reap, args=(proc,), name=f"tyingspec-reap:{self.spec}",
-                             daemon=True).start()
+            threading.Thread(target=_reap, args=(proc, result),
+                             name=f"tyingspec-reap:{self.spec}", daemon=True).start()
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         try:
