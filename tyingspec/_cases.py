@@ -14,11 +14,16 @@ import numpy as np
 
 from ._probe import (
     Array,
+    InputPath,
     IntArray,
+    OutputPath,
     Paths,
+    Sketch,
     closed_form_paths,
     kernel_terms,
     scatter_rows,
+    sketch_directions,
+    sketched,
 )
 from ._tolerance import numpy_dtype
 
@@ -253,8 +258,7 @@ def sgd_step(batch: Batch, dE: Array, step: float = SGD_STEP) -> tuple[Batch, fl
     # in E's own precision, as an optimizer steps it (a float64 copy of a GPT-2-size E costs
     # seconds), in one [V, d] array: E + (-lr) dE is bit for bit E - lr dE (negation is exact)
     dt = batch.E.dtype
-    E1 = dE.astype(dt, copy=True)
-    E1 *= np.asarray(-lr, dtype=dt)
+    E1 = np.multiply(dE, np.asarray(-lr, dtype=dt), dtype=dt, casting="same_kind")
     E1 += batch.E
     return replace(batch, E=E1), lr
 
@@ -288,17 +292,30 @@ def padded(paths: Paths, padding_idx: int | None) -> Paths:
         return paths
     rows = np.array(paths.per_position, copy=True)
     rows[np.asarray(paths.tokens) == padding_idx] = 0
+    tokens, V = np.asarray(paths.tokens), paths.dE_in.shape[0]
+    if paths.sketch is None:
+        return replace(paths, per_position=rows, padding_idx=padding_idx,
+                       dE_in=scatter_rows(tokens, rows, V))
     return replace(paths, per_position=rows, padding_idx=padding_idx,
-                   dE_in=scatter_rows(np.asarray(paths.tokens), rows, paths.dE_in.shape[0]))
+                   sketch=paths.sketch.with_exact(np.array([padding_idx])),
+                   dE_in=InputPath(tokens, rows, V))
 
 
 def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
-                 precision: str = "float64") -> Paths:
+                 precision: str = "float64", *, sketch: bool | None = None) -> Paths:
     """The reference of a kernel on the inputs it was handed (float64, or float32 at large
-    shapes judged at float32 or below)."""
-    dt = working_dtype(V * h.shape[1] * tokens.shape[0], precision)
+    shapes judged at float32 or below; absent rows through projections above
+    ``SKETCH_ABOVE``, or as ``sketch`` says)."""
+    n, d = h.shape
+    dt = working_dtype(V * d * n, precision)
     rows = np.asarray(dx, dtype=dt)
-    return Paths(loss=0.0, dE_in=scatter_rows(tokens, rows, V),
-                 dE_out=np.asarray(g, dtype=dt).T @ np.asarray(h, dtype=dt),
-                 dW=np.zeros((0, 0)), db=None, per_position=rows, tokens=tokens,
-                 terms=kernel_terms(tokens, dx, h, g, V))
+    gw, hw = np.asarray(g, dtype=dt), np.asarray(h, dtype=dt)
+    Z, seed = sketch_directions(tokens, None, d) if (
+        sketched(V, d, n) if sketch is None else sketch) else (None, 0)
+    terms, projected = kernel_terms(tokens, dx, h, g, V, Z)
+    return Paths(loss=0.0,
+                 dE_in=scatter_rows(tokens, rows, V) if Z is None else InputPath(tokens, rows, V),
+                 dE_out=gw.T @ hw if Z is None else OutputPath(gw, hw),
+                 dW=np.zeros((0, 0)), db=None, per_position=rows, tokens=tokens, terms=terms,
+                 sketch=None if Z is None or projected is None else Sketch(
+                     np.unique(tokens).astype(np.int64), Z, seed, *projected))

@@ -9,11 +9,12 @@ asks whether its own example *could* have told those apart from a correct gradie
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ._probe import Array, Paths
+from ._probe import Array, Paths, Sketch
 from ._tolerance import Precision, Tolerance, precision_of, row_tolerance
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ class Diagnosis:
     margin: float = 0.0  # worst row's error / its bound (<= 1: within)
     findings: tuple[Finding, ...] = ()  # named checks beyond rows (the torch kind's)
     rows_label: Label | None = None  # the rows' own label when a finding decided ``label``
+    rows_projected: int = 0  # rows judged through projections (see tyingspec._probe.Sketch)
 
     @property
     def precision(self) -> str:
@@ -198,6 +200,7 @@ class Diagnosis:
             "max_rel_error": self.max_rel_error,
             "precision": self.precision,
             "margin": self.margin,
+            "rows_projected": self.rows_projected,
             "rtol": self.tolerance.rtol,
             "power": self.power.as_dict(),
             "scales": None if self.scales is None else list(self.scales),
@@ -257,6 +260,124 @@ def _rows_close(tol: Tolerance, actual: Array, expected: Array) -> np.ndarray:
     return rows
 
 
+def _row_atol(tol: Tolerance, V: int) -> np.ndarray:
+    """The absolute part of each row's bound, as a [V] float64 array."""
+    return np.broadcast_to(np.asarray(tol.atol, dtype=np.float64).reshape(-1), (V,))
+
+
+class _Dense:
+    """Every row of dE compared entry by entry; whole float64 matrices only once something is
+    wrong and must be explained (a correct gradient is judged by the block scan alone)."""
+
+    def __init__(self, raw: np.ndarray, paths: Paths, tol: Tolerance) -> None:
+        self.raw, self.tol = raw, tol
+        self.din, self.dout = np.asarray(paths.dE_in), np.asarray(paths.dE_out)
+        self.scan = _scan(raw, self.din, self.dout, tol)
+        self.projected = 0
+
+    def rows(self, which: str, rows: np.ndarray) -> Array:
+        """Rows of ``actual``, ``in`` or ``out`` in float64."""
+        a = {"actual": self.raw, "in": self.din, "out": self.dout}[which]
+        out: Array = np.asarray(a[rows], dtype=np.float64)
+        return out
+
+    @cached_property
+    def _whole(self) -> tuple[Array, Array, Array]:
+        return (self.raw.astype(np.float64), self.din.astype(np.float64),
+                self.dout.astype(np.float64))
+
+    def lin_ok(self, x: float, y: float) -> np.ndarray:
+        """Per row: is it within its bound of ``x dE_in + y dE_out``?"""
+        actual, d_in, d_out = self._whole
+        return _rows_close(self.tol, actual, x * d_in + y * d_out)
+
+    def fit(self) -> tuple[float, float]:
+        return _fit_scales(*self._whole)
+
+
+def _projected(rows: np.ndarray, sketch: Sketch) -> Array:
+    """``rows @ Z`` in float64: the sampled columns read out as they are (exact), the
+    Gaussian directions summed in float64, a few MB of rows at a time."""
+    Z = sketch.Z
+    unit = (Z == 1.0).sum(axis=0) == 1
+    unit &= (Z != 0.0).sum(axis=0) == 1
+    out = np.empty((rows.shape[0], Z.shape[1]))
+    out[:, unit] = rows[:, np.argmax(Z[:, unit], axis=0)]
+    dense = Z[:, ~unit]
+    for s in range(0, rows.shape[0], 8 * _BLOCK):
+        out[s:s + 8 * _BLOCK, ~unit] = np.asarray(rows[s:s + 8 * _BLOCK], np.float64) @ dense
+    return out
+
+
+class _Sketched:
+    """The rows of ``sketch.exact`` entry by entry, every other row (which carries the output
+    path alone) through the sketch's projections (see ``tyingspec._probe.Sketch``)."""
+
+    def __init__(self, raw: np.ndarray, paths: Paths, sketch: Sketch, tol: Tolerance) -> None:
+        V = raw.shape[0]
+        self.tol = tol
+        self.exact = sketch.exact
+        self.a_e = np.asarray(raw[self.exact], dtype=np.float64)
+        self.i_e = paths.in_rows(self.exact)
+        self.o_e = paths.out_rows(self.exact)
+        atol = _row_atol(tol, V)
+        self.atol_e = atol[self.exact][:, None]
+        mask = np.ones(V, dtype=bool)
+        mask[self.exact] = False
+        self.sk = np.flatnonzero(mask)
+        self.projected = int(self.sk.shape[0])
+        self.p_a = _projected(raw, sketch)[self.sk]
+        self.p_o, self.mag = sketch.out[self.sk], sketch.mag[self.sk]
+        self.atol_s = atol[self.sk][:, None] * np.abs(sketch.Z).sum(axis=0)[None, :]
+        self.scan = self._scan(V)
+
+    def _allow_e(self, expected: Array) -> Array:
+        out: Array = np.maximum(self.atol_e + self.tol.rtol * np.abs(expected),
+                                np.finfo(np.float64).tiny)
+        return out
+
+    def _allow_s(self, y: float) -> Array:
+        out: Array = np.maximum(self.atol_s + self.tol.rtol * abs(y) * self.mag,
+                                np.finfo(np.float64).tiny)
+        return out
+
+    def _scan(self, V: int) -> _Scan:
+        ref = self.i_e + self.o_e
+        diff = np.abs(self.a_e - ref)
+        allow = self._allow_e(ref)
+        row_ratio = np.zeros(V)
+        row_ratio[self.exact] = (diff / allow).max(axis=1, initial=0.0)
+        allow_s = self._allow_s(1.0)
+        row_ratio[self.sk] = (np.abs(self.p_a - self.p_o) / allow_s).max(axis=1, initial=0.0)
+        nz = np.abs(ref) > 0
+        mx_rel = float((diff[nz] / np.abs(ref[nz])).max()) if nz.any() else 0.0
+        out_power = bool((np.abs(self.o_e) > allow).any()) or \
+            bool((np.abs(self.p_o) > allow_s).any())
+        return _Scan(row_ratio, float(row_ratio.max(initial=0.0)),
+                     float(diff.max(initial=0.0)), mx_rel, out_power)
+
+    def rows(self, which: str, rows: np.ndarray) -> Array:
+        """Rows of ``actual``, ``in`` or ``out`` in float64 (rows compared entry by entry)."""
+        at = np.searchsorted(self.exact, rows)
+        assert np.array_equal(self.exact[at], rows), "rows outside the exact rows"
+        return {"actual": self.a_e, "in": self.i_e, "out": self.o_e}[which][at]
+
+    def lin_ok(self, x: float, y: float) -> np.ndarray:
+        """Per row: is it within its bound of ``x dE_in + y dE_out``?  (dE_in is zero on the
+        projected rows: they are the tokens absent from the batch.)"""
+        ok = np.zeros(self.exact.shape[0] + self.sk.shape[0], dtype=bool)
+        cand = x * self.i_e + y * self.o_e
+        ok[self.exact] = (np.abs(self.a_e - cand) <= self._allow_e(cand)).all(axis=1)
+        ok[self.sk] = (np.abs(self.p_a - y * self.p_o) <= self._allow_s(y)).all(axis=1)
+        return ok
+
+    def fit(self) -> tuple[float, float]:
+        A = np.concatenate([np.stack([self.i_e.reshape(-1), self.o_e.reshape(-1)], axis=1),
+                            np.stack([np.zeros(self.p_o.size), self.p_o.reshape(-1)], axis=1)])
+        b = np.concatenate([self.a_e.reshape(-1), self.p_a.reshape(-1)])
+        coef, *_ = np.linalg.lstsq(A, b, rcond=None)
+        return float(coef[0]), float(coef[1])
+
 
 def _occurrence_variants(paths: Paths, rows: np.ndarray) -> dict[str, Array]:
     """On ``rows`` (repeated tokens): the input path built from one occurrence per token, the
@@ -310,7 +431,6 @@ def diagnose(
     wrote into; either turns a right dE into a wrong verdict.
     """
     raw = np.asarray(dE)
-    din_raw, dout_raw = np.asarray(paths.dE_in), np.asarray(paths.dE_out)
     V = raw.shape[0]
     precision: Precision = precision_of(dtype if dtype is not None else raw.dtype)
     tol = row_tolerance(paths.bound_terms, precision)
@@ -318,22 +438,12 @@ def diagnose(
     uniq, counts = np.unique(tokens, return_counts=True)
     repeated = {int(u): int(c) for u, c in zip(uniq, counts) if c > 1}
 
-    scan = _scan(raw, din_raw, dout_raw, tol)
+    view: _Dense | _Sketched = _Dense(raw, paths, tol) if paths.sketch is None else \
+        _Sketched(raw, paths, paths.sketch, tol)
+    scan = view.scan
     row_ok = scan.row_ratio <= 1.0
     wrong_rows = [int(r) for r in np.flatnonzero(~row_ok)]
     mx_abs, mx_rel = scan.max_abs, scan.max_rel
-    # Whole float64 matrices only when something is wrong and must be explained; a correct
-    # gradient is judged by the block scan and the rows of the batch's tokens.
-    if wrong_rows:
-        actual = raw.astype(np.float64)
-        d_in = din_raw.astype(np.float64)
-        d_out = dout_raw.astype(np.float64)
-    else:
-        actual = d_in = d_out = np.zeros((0, raw.shape[1]))
-
-    def rows64(a: np.ndarray, rows: np.ndarray) -> Array:
-        out: Array = np.asarray(a[rows], dtype=np.float64)
-        return out
 
     # Candidate explanations differ from the reference only on some rows (absent rows get no
     # input path, so dropping it cannot show there): compare on those rows, reuse row_ok
@@ -342,43 +452,50 @@ def diagnose(
     rep = np.array(sorted(repeated), dtype=np.int64)
 
     def on_rows(rows: np.ndarray, cand_rows: Array) -> np.ndarray:
-        return _rows_close(tol.rows(rows), actual[rows], cand_rows)
+        return _rows_close(tol.rows(rows), view.rows("actual", rows), cand_rows)
 
-    def whole_on(rows: np.ndarray, cand_rows: Array) -> bool:
+    def outside_ok(rows: np.ndarray) -> bool:
         outside = row_ok.copy()
         outside[rows] = True
-        return bool(outside.all()) and bool(on_rows(rows, cand_rows).all())
+        return bool(outside.all())
+
+    def whole_on(rows: np.ndarray, cand_rows: Array) -> bool:
+        return outside_ok(rows) and bool(on_rows(rows, cand_rows).all())
 
     variants = _occurrence_variants(paths, rep) if repeated else {}
     dup_power = None
     if repeated:
-        out_rep = rows64(dout_raw, rep)
-        ref_rep = rows64(din_raw, rep) + out_rep
+        out_rep = view.rows("out", rep)
+        ref_rep = view.rows("in", rep) + out_rep
         dup_power = any(not _rows_close(tol.rows(rep), v + out_rep, ref_rep).all()
                         for v in variants.values())
-    out_pres = rows64(dout_raw, pres)
+    out_pres = view.rows("out", pres)
     power = Power(
-        input_path=not _rows_close(tol.rows(pres), out_pres, rows64(din_raw, pres) + out_pres
-                                   ).all(),
+        input_path=not _rows_close(tol.rows(pres), out_pres,
+                                   view.rows("in", pres) + out_pres).all(),
         output_path=scan.output_power,
         duplicates=dup_power,
     )
 
     # Per-row causes: which explanation fits each wrong row.
     causes: dict[str, list[int]] = {}
+    # rows that hold the output path alone / the input path alone (only asked when wrong)
+    nothing = np.zeros(V, dtype=bool)
+    only_out = view.lin_ok(0.0, 1.0) if wrong_rows else nothing
+    only_in = view.lin_ok(1.0, 0.0) if wrong_rows else nothing
     rep_pos = {int(r): i for i, r in enumerate(rep)}
     for r in wrong_rows:
-        cands: list[tuple[str, Array]] = [("input path missing", d_out[r]),
-                                          ("output path missing", d_in[r])]
-        if r in rep_pos:
-            cands += [(f"duplicates: {k}", v[rep_pos[r]] + d_out[r]) for k, v in variants.items()]
-        row_tol = tol.rows(np.array([r]))
-        cause = next((name for name, cand in cands if row_tol.close(actual[r], cand).all()),
-                     "unexplained")
+        cause = "unexplained"
+        if only_out[r]:
+            cause = "input path missing"
+        elif only_in[r]:
+            cause = "output path missing"
+        elif r in rep_pos:
+            row = np.array([r])
+            out_r = view.rows("out", row)
+            cause = next((f"duplicates: {k}" for k, v in variants.items()
+                          if on_rows(row, v[rep_pos[r]][None, :] + out_r).all()), cause)
         causes.setdefault(cause, []).append(r)
-
-    def whole(cand: Array) -> bool:
-        return bool(_rows_close(tol, actual, cand).all())
 
     label: Label = "unknown"
     detail, scales = "", None
@@ -397,20 +514,20 @@ def diagnose(
                       "not counted as evidence")
         else:
             label = "correct"
-    elif whole_on(pres, d_out[pres]):
+    elif outside_ok(pres) and bool(only_out[pres].all()):
         label, detail = "input_path_missing", f"wrong on exactly the {_n(len(uniq), 'present row')}"
-    elif whole(d_in):
+    elif bool(only_in.all()):
         label, detail = "output_path_missing", f"all {V} rows wrong"
-    elif whole_on(pres, d_in[pres]):
+    elif outside_ok(pres) and bool(only_in[pres].all()):
         label, detail = "output_path_overwritten", f"{_n(len(uniq), 'present row')} hold dE_in only"
     else:
         only_repeated = bool(repeated) and set(wrong_rows) <= set(repeated)
-        kept = [k for k, v in variants.items() if whole_on(rep, v + d_out[rep])]
-        a, c = _fit_scales(actual, d_in, d_out)
+        kept = [k for k, v in variants.items() if whole_on(rep, v + view.rows("out", rep))]
+        a, c = view.fit()
         # Least squares leaves the factors ~1e-15 off, which a float64 row bound can notice:
         # a stray factor is a simple number (x16, x0.5, xN), so try it rounded too.
         fits = [(x, y) for x, y in ((float(f"{a:.6g}"), float(f"{c:.6g}")), (a, c))
-                if whole(x * d_in + y * d_out)]
+                if bool(view.lin_ok(x, y).all())]
         if fits:
             a, c = fits[0]
         if only_repeated and kept:
@@ -461,6 +578,7 @@ def diagnose(
         wrong_rows=wrong_rows, present_rows=present_rows, repeated_rows=repeated,
         row_causes=causes, max_abs_error=mx_abs, max_rel_error=mx_rel, tolerance=tol,
         power=power, scales=scales, others=others, margin=scan.margin,
+        rows_projected=view.projected,
     )
 
 

@@ -10,7 +10,10 @@ Tied means ``E_in is E_out``.  Everything here is plain numpy in the dtype of ``
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -41,23 +44,163 @@ class Parts:
         return self.s_in * self.dx
 
 
+class _Factored:
+    """A [V, d] path held in a cheaper form than the matrix: rows on demand (float64), and
+    ``np.asarray`` (or indexing) builds the whole matrix once, for what needs all of it."""
+
+    shape: tuple[int, int]
+    dtype: np.dtype[Any]
+    ndim = 2
+
+    def rows(self, rows: IntArray) -> Array:
+        raise NotImplementedError
+
+    def _build(self) -> Array:
+        raise NotImplementedError
+
+    @cached_property
+    def whole(self) -> Array:
+        return self._build()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Array:
+        return self.whole if dtype is None else self.whole.astype(dtype, copy=False)
+
+    def __getitem__(self, index: Any) -> Array:
+        out: Array = self.whole[index]
+        return out
+
+    def astype(self, dtype: Any, copy: bool = True) -> Array:
+        return self.whole.astype(dtype, copy=copy)
+
+
+class OutputPath(_Factored):
+    """The output path ``g.T @ h`` kept as its two factors.  At GPT-2 size the whole [V, d]
+    product costs as much as a third of the implementation's forward+backward, and a check
+    needs only some of its rows entry by entry and the rest projected (see :class:`Sketch`)."""
+
+    def __init__(self, g: Array, h: Array) -> None:
+        self.g, self.h = g, h
+        self.shape = (g.shape[1], h.shape[1])
+        self.dtype = np.result_type(g.dtype, h.dtype)
+
+    def rows(self, rows: IntArray) -> Array:
+        out: Array = np.asarray(self.g[:, rows], np.float64).T @ np.asarray(self.h, np.float64)
+        return out
+
+    def _build(self) -> Array:
+        out: Array = self.g.T @ self.h
+        return out
+
+
+class InputPath(_Factored):
+    """The input path as the rows its tokens touch (repeated tokens summed): a zeroed [V, d]
+    matrix with a few rows written costs page faults over all of it."""
+
+    def __init__(self, tokens: IntArray, per_position: Array, vocab_size: int) -> None:
+        self.touched, self.sums = _segment_sums(tokens, per_position)
+        self.shape = (vocab_size, per_position.shape[1])
+        self.dtype = per_position.dtype
+
+    def rows(self, rows: IntArray) -> Array:
+        out = np.zeros((len(rows), self.shape[1]))
+        if len(self.touched):
+            at = np.minimum(np.searchsorted(self.touched, rows), len(self.touched) - 1)
+            hit = self.touched[at] == rows
+            out[hit] = self.sums[at[hit]]
+        return out
+
+    def _build(self) -> Array:
+        out = np.zeros(self.shape, dtype=self.dtype)
+        out[self.touched] = self.sums
+        return out
+
+
+@dataclass(frozen=True)
+class Sketch:
+    """Rows judged through projections (Freivalds' check), for shapes where the whole output
+    path costs as much as a forward pass.
+
+    Rows in ``exact`` (the batch's tokens and targets, the padding row) are compared entry by
+    entry.  Every other row carries the output path alone, and is compared through the columns
+    of ``Z [d, k]``: ``(dE @ Z)[v]`` against ``(g.T @ (h @ Z))[v]``, which costs
+    ``O((V + d) N k)`` instead of ``V d N``.  The allowance of column ``q`` is the row's
+    entrywise bound summed the same way, ``sum_j |Z[j, q]| (atol_v + rtol |e[v, j]|)``, with
+    ``sum_j |Z[j, q]| |e[v, j]|`` bounded by ``mag = |g|.T @ (|h| @ |Z|)``: a row within its
+    entrywise bound is within every projected one.
+
+    ``Z`` holds ``SAMPLED_COLUMNS`` unit vectors (entries of the row, checked under exactly
+    their entrywise bound: a bug that moves a whole row, as output-path bugs do, is seen in any
+    of them) and ``GAUSSIAN_DIRECTIONS`` Gaussian ones (an error confined to entries no sampled
+    column hit still moves them, once it is large against the row's summed bound)."""
+
+    exact: IntArray  # sorted rows compared entry by entry
+    Z: Array  # [d, k] float64 directions, drawn from ``seed``
+    seed: int
+    out: Array  # [V, k] float64: dE_out @ Z
+    mag: Array  # [V, k] float64: |g|.T @ (|h| @ |Z|)
+
+    def with_exact(self, rows: IntArray) -> Sketch:
+        """The same projections with ``rows`` also compared entry by entry."""
+        exact = np.union1d(self.exact, np.asarray(rows, dtype=np.int64))
+        return Sketch(exact, self.Z, self.seed, self.out, self.mag)
+
+
+#: Entries of each projected row compared under their own bound (all of them when d is
+#: smaller): a row wrong in a fraction f of its entries escapes with probability (1 - f)^24.
+SAMPLED_COLUMNS = 24
+#: Gaussian directions per projected row, for errors confined to entries no column sampled.
+GAUSSIAN_DIRECTIONS = 8
+#: Shapes whose output path is above this many multiply-adds (V d N) are judged with a
+#: :class:`Sketch`; below it every row is compared entry by entry.
+SKETCH_ABOVE = 2**26
+
+
+def sketched(V: int, d: int, n: int) -> bool:
+    """Whether a reference of this shape judges its absent rows through projections."""
+    return V * d * n > SKETCH_ABOVE
+
+
+def sketch_directions(tokens: IntArray, targets: IntArray | None, d: int) -> tuple[Array, int]:
+    """``Z [d, k]`` (sampled columns, then Gaussian directions) and its seed, drawn from the
+    batch itself: a replay of the case (same tokens and targets) draws the same."""
+    seed = zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    if targets is not None:
+        seed = zlib.crc32(np.ascontiguousarray(targets, dtype=np.int64).tobytes(), seed)
+    rng = np.random.default_rng(seed)
+    cols = np.sort(rng.choice(d, size=min(d, SAMPLED_COLUMNS), replace=False))
+    sampled = np.zeros((d, cols.shape[0]))
+    sampled[cols, np.arange(cols.shape[0])] = 1.0
+    return np.hstack([sampled, rng.standard_normal((d, GAUSSIAN_DIRECTIONS))]), seed
+
+
 @dataclass(frozen=True)
 class Paths:
     """The tied gradient split into its two paths (closed form), plus the other gradients."""
 
     loss: float
-    dE_in: Array  # input path: scatter-add of s_in*dx over token rows
-    dE_out: Array  # output path: g.T @ h
+    dE_in: Array | InputPath  # input path: scatter-add of s_in*dx over token rows
+    dE_out: Array | OutputPath  # output path: g.T @ h (its factors, when sketched)
     dW: Array
     db: Array | None
     per_position: Array  # [N, d] input-path contribution of each position
     tokens: IntArray
     terms: Terms | None = None  # what the rounding bound is built from (see _tolerance)
     padding_idx: int | None = None  # the row the input path skips by declaration, if any
+    sketch: Sketch | None = None  # absent rows judged through projections (large shapes)
 
     @property
     def dE(self) -> Array:
-        return self.dE_in + self.dE_out
+        out: Array = np.asarray(self.dE_in) + np.asarray(self.dE_out)
+        return out
+
+    def in_rows(self, rows: IntArray) -> Array:
+        """Rows of the input path in float64 (without building all of it when sketched)."""
+        return _path_rows(self.dE_in, rows)
+
+    def out_rows(self, rows: IntArray) -> Array:
+        """Rows of the output path in float64 (without building all of it when sketched)."""
+        return _path_rows(self.dE_out, rows)
+
 
     @property
     def bound_terms(self) -> Terms:
@@ -67,6 +210,12 @@ class Paths:
             return self.terms
         return Terms.from_paths(np.asarray(self.dE_in, np.float64),
                                 np.asarray(self.dE_out, np.float64))
+
+
+def _path_rows(path: Array | _Factored, rows: IntArray) -> Array:
+    if isinstance(path, _Factored):
+        return path.rows(rows)
+    return np.asarray(path[rows], dtype=np.float64)
 
 
 def flatten_batch(tokens: object, targets: object) -> tuple[IntArray, IntArray]:
@@ -117,10 +266,24 @@ def forward_parts(
     return Parts(loss=loss, x=x, h=h, g=g, dx=dx, du=du, dW=dW, db=db, s_in=float(s_in))
 
 
+def _segment_sums(tokens: IntArray, rows: Array) -> tuple[IntArray, Array]:
+    """The distinct tokens (sorted) and, for each, the sum of its rows: what ``np.add.at``
+    adds into a token's row, at a fraction of its cost (one segmented sum over the tokens
+    sorted; the order of a row's additions may differ, its rounding stays that of a sum)."""
+    if not tokens.shape[0]:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, rows.shape[1]), dtype=rows.dtype)
+    order = np.argsort(tokens, kind="stable")
+    t = tokens[order]
+    starts = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
+    sums: Array = np.add.reduceat(rows[order], starts, axis=0)
+    return t[starts].astype(np.int64), sums
+
+
 def scatter_rows(tokens: IntArray, rows: Array, vocab_size: int) -> Array:
     """Sparse input path: add each row into its token's row; repeated tokens add."""
     out = np.zeros((vocab_size, rows.shape[1]), dtype=rows.dtype)
-    np.add.at(out, tokens, rows)
+    touched, sums = _segment_sums(np.asarray(tokens).reshape(-1), rows)
+    out[touched] = sums
     return out
 
 
@@ -134,21 +297,29 @@ def closed_form_paths(
     s_in: float = 1.0,
     *,
     E_out: Array | None = None,
+    sketch: bool | None = None,
 ) -> Paths:
-    """Closed-form reference: both paths of dL/dE (``E_out`` defaults to ``E``: tied)."""
+    """Closed-form reference: both paths of dL/dE (``E_out`` defaults to ``E``: tied).
+    ``sketch``: judge absent rows through projections (default: above ``SKETCH_ABOVE``)."""
     t, y = flatten_batch(tokens, targets)
     out = E if E_out is None else E_out
     p = forward_parts(E, out, W, b, t, y, res, s_in)
     per_pos = p.input_rows
+    V, d = out.shape
+    Z, seed = sketch_directions(t, y, d) if (
+        sketched(V, d, t.shape[0]) if sketch is None else sketch) else (None, 0)
+    terms, projected = model_terms(E, out, W, b, t, y, res, s_in, p, Z)
     return Paths(
         loss=p.loss,
-        dE_in=scatter_rows(t, per_pos, E.shape[0]),
-        dE_out=p.g.T @ p.h,
+        dE_in=scatter_rows(t, per_pos, V) if Z is None else InputPath(t, per_pos, V),
+        dE_out=p.g.T @ p.h if Z is None else OutputPath(p.g, p.h),
         dW=p.dW,
         db=p.db,
         per_position=per_pos,
         tokens=t,
-        terms=model_terms(E, out, W, b, t, y, res, s_in, p),
+        terms=terms,
+        sketch=None if projected is None or Z is None else Sketch(
+            np.union1d(t, y).astype(np.int64), Z, seed, *projected),
     )
 
 
@@ -163,26 +334,45 @@ def _abs_max_rows(a: Array) -> Array:
 _BLOCK = 64
 
 
-def _output_rows(g: Array, h_inf: Array, targets: IntArray,
-                 e_rows: Array | None = None) -> tuple[Array, Array, Array]:
+def _output_rows(g: Array, h: Array, targets: IntArray, e_rows: Array | None = None,
+                 Z: Array | None = None
+                 ) -> tuple[Array, Array, Array, tuple[Array, Array] | None]:
     """sum_n (|g[n, v]| + [y_n = v]/N) max_j |h[n, j]| per row v, the same weights' column
-    sums (the db magnitude), and per position sum_v |g[n, v]| max_j |E[v, j]| (the size of
-    the terms of dh = g @ E, whatever cancels among them; zeros without ``e_rows``)."""
+    sums (the db magnitude), per position sum_v |g[n, v]| max_j |E[v, j]| (the size of the
+    terms of dh = g @ E, whatever cancels among them; zeros without ``e_rows``), and with
+    directions ``Z [d, k]`` the output path's projections ``g.T @ (h @ Z)`` and their
+    magnitudes ``|g|.T @ (|h| @ |Z|)`` (see :class:`Sketch`), all in one pass over ``g``."""
     n, V = g.shape
-    rows = np.zeros(V)
+    h_inf = _abs_max_rows(h)
+    k = 0 if Z is None else Z.shape[1]
+    # one right-hand side for the |g| products: max |h| per position, then |h| @ |Z|
+    right = h_inf[:, None] if Z is None else np.hstack(
+        [h_inf[:, None], np.abs(np.asarray(h, np.float64)) @ np.abs(Z)])
+    right_w = right.astype(g.dtype)
+    sums = np.zeros((V, 1 + k))
     col = np.zeros(V)
     dh_terms = np.zeros(n)
-    hw = h_inf.astype(g.dtype)
     for s in range(0, n, _BLOCK):  # |g| in blocks of positions, in g's own dtype
         w = np.abs(g[s:s + _BLOCK])
-        rows += w.T @ hw[s:s + _BLOCK]
+        sums += w.T @ right_w[s:s + _BLOCK]
         col += w.sum(axis=0)
         if e_rows is not None:
             dh_terms[s:s + _BLOCK] = w @ e_rows
     # the target's probability enters g as p - 1: count it even when g ~ 0 (a fitted batch)
     tgt = np.bincount(targets, minlength=V)[:V] / max(n, 1)
     tgt_h = np.bincount(targets, weights=h_inf, minlength=V)[:V] / max(n, 1)
-    return rows + tgt_h, col + tgt, dh_terms
+    projected = None
+    if Z is not None:
+        # The projections in g's own dtype, as the whole product would be: the reference's
+        # rounding, which the bound's factor 2 counts (a sampled column is the column of the
+        # g.T @ h a dense reference computes in that dtype, up to the order of the sums).
+        hz = (np.asarray(h, np.float64) @ Z).astype(g.dtype)
+        proj = np.asarray(g.T @ hz, dtype=np.float64)
+        tgt_z = np.zeros((V, k))
+        if targets.shape[0] == n:  # a kernel's call has no targets: its g already holds them
+            np.add.at(tgt_z, targets, right[:, 1:] / max(n, 1))
+        projected = (proj, sums[:, 1:] + tgt_z)
+    return sums[:, 0] + tgt_h, col + tgt, dh_terms, projected
 
 
 def _abs_rows(E: Array) -> tuple[Array, float]:
@@ -198,13 +388,16 @@ def _abs_rows(E: Array) -> tuple[Array, float]:
 
 
 def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: IntArray,
-                targets: IntArray, res: float, s_in: float, p: Parts) -> Terms:
-    """Bound terms of the probe model on one batch (see :mod:`tyingspec._tolerance`)."""
+                targets: IntArray, res: float, s_in: float, p: Parts, Z: Array | None = None
+                ) -> tuple[Terms, tuple[Array, Array] | None]:
+    """Bound terms of the probe model on one batch (see :mod:`tyingspec._tolerance`), and with
+    directions ``Z`` the output path's projections and their magnitudes."""
     V, d = E_out.shape
     n = tokens.shape[0]
     h_inf = _abs_max_rows(p.h)
     e_rows, row_sum_max = _abs_rows(E_out)
-    out_rows, db, dh_terms = _output_rows(p.g, h_inf, targets, e_rows.astype(p.g.dtype))
+    out_rows, db, dh_terms, projected = _output_rows(p.g, p.h, targets,
+                                                     e_rows.astype(p.g.dtype), Z)
     e_max = float(e_rows.max(initial=0))
     if E_in is not E_out:  # tied: one matrix, one pass
         e_max = max(e_max, float(_abs_rows(E_in)[0].max(initial=0)))
@@ -225,14 +418,16 @@ def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: In
     # V = 1, still gets an allowance for the rounding of g)
     du = np.abs(np.asarray(p.du, dtype=np.float64)) + 2.0 / max(n, 1) * e_max
     return Terms(rows=out_rows + in_rows, k=k, loss=logit + abs(p.loss), dW=x.T @ du,
-                 db=db if b is not None else None)
+                 db=db if b is not None else None), projected
 
 
-def kernel_terms(tokens: IntArray, dx: Array, h: Array, g: Array, V: int) -> Terms:
-    """Bound terms of a kernel call: its inputs are given, only its reductions round."""
-    rows, _, _ = _output_rows(g, _abs_max_rows(h), np.zeros(0, dtype=np.int64))
+def kernel_terms(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
+                 Z: Array | None = None) -> tuple[Terms, tuple[Array, Array] | None]:
+    """Bound terms of a kernel call (its inputs are given, only its reductions round), and
+    with directions ``Z`` the output path's projections and their magnitudes."""
+    rows, _, _, projected = _output_rows(g, h, np.zeros(0, dtype=np.int64), Z=Z)
     rows = rows + np.bincount(tokens, weights=_abs_max_rows(dx), minlength=V)[:V]
-    return Terms(rows=rows, k=float(tokens.shape[0] + np.sqrt(V) + 1))
+    return Terms(rows=rows, k=float(tokens.shape[0] + np.sqrt(V) + 1)), projected
 
 
 def loss_only(

@@ -9,6 +9,7 @@ from typing import Any
 
 from ._cases import Case
 from ._diagnosis import Diagnosis
+from ._probe import GAUSSIAN_DIRECTIONS, SAMPLED_COLUMNS
 
 
 def rows_text(rows: Iterable[Any], limit: int = 16) -> str:
@@ -25,6 +26,15 @@ def exact_cell(d: Diagnosis) -> str:
     if d.rows_exact == d.rows_total:
         return f"{d.rows_exact} of {d.rows_total}"
     return f"{d.rows_exact} of {d.rows_total} ({100.0 * d.rows_exact / d.rows_total:.1f}%)"
+
+
+def projected_text(d: Diagnosis) -> str:
+    """'' or '; 49233 of 50257 rows (...) through projections' (see tyingspec._probe.Sketch)."""
+    if not d.rows_projected:
+        return ""
+    return (f"; {d.rows_projected} of {d.rows_total} rows (tokens absent from the batch) "
+            f"through {SAMPLED_COLUMNS} sampled columns and {GAUSSIAN_DIRECTIONS} Gaussian "
+            "directions")
 
 
 def power_text(d: Diagnosis) -> str:
@@ -51,7 +61,7 @@ def diagnosis_lines(d: Diagnosis, *, stage: str = "first call",
     lines.append(power_text(d))
     lines.append(f"judged at {d.precision}: worst row {d.margin:.3g}x its rounding bound; max "
                  f"abs error {d.max_abs_error:.3g}, max rel error {d.max_rel_error:.3g} under "
-                 f"{d.tolerance.describe()}")
+                 f"{d.tolerance.describe()}{projected_text(d)}")
     return [indent + line for line in lines]
 
 

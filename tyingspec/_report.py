@@ -18,7 +18,14 @@ from typing import Any
 
 from ._check import CaseResult, CheckReport
 from ._files import atomic_write
-from ._render import diagnosis_lines, exact_cell, finding_lines, power_text, rows_text
+from ._render import (
+    diagnosis_lines,
+    exact_cell,
+    finding_lines,
+    power_text,
+    projected_text,
+    rows_text,
+)
 
 __all__ = ["SCHEMA", "as_json", "exact_cell", "render", "render_case", "rows_text",
            "write_json"]
@@ -39,7 +46,7 @@ def render_case(r: CaseResult, *, structural: bool = True) -> list[str]:
         lines += diagnosis_lines(d, stage=r.stage, mutated=r.mutated)
     elif d is not None:
         lines.append(f"  {power_text(d)}; judged at {d.precision}, worst row {d.margin:.3g}x "
-                     "its rounding bound")
+                     f"its rounding bound{projected_text(d)}")
         lines += finding_lines(d, structural=structural)
     if r.shrunk is not None:
         lines.append(f"  smallest failing batch: tokens={list(r.shrunk.tokens or ())} "

@@ -99,4 +99,4 @@ def symbolic_paths(
     parts = forward_parts(E, out, W, b, t, y, res, s_in)
     return Paths(loss=float(loss), dE_in=g_in, dE_out=g_out, dW=g_W, db=db,
                  per_position=parts.input_rows, tokens=t,
-                 terms=model_terms(E, out, W, b, t, y, res, s_in, parts))
+                 terms=model_terms(E, out, W, b, t, y, res, s_in, parts)[0])

@@ -22,6 +22,11 @@ fits its batch (``g ~ 0``);
 Entry ``(v, j)`` is within the bound when ``|a - e| <= bound_v + rtol |e|`` with
 ``rtol = C k u``: both an absolute and a relative part, never a bare ``1e-300``.  The same
 terms scaled give the loss, dW and db their tolerances.
+
+Above ``tyingspec._probe.SKETCH_ABOVE`` multiply-adds, rows of tokens absent from the batch
+(which carry the output path alone) are compared through Gaussian directions ``z``:
+``|(a - e) . z| <= sum_j |z_j| (bound_v + rtol |e_vj|)``, the entrywise bound summed the same
+way (see ``tyingspec._probe.Sketch``).
 """
 
 from __future__ import annotations
