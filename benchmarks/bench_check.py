@@ -13,9 +13,12 @@ Part 1 (timing), interleaved over ``--repeats`` rounds (A, B, C, S, A, B, C, S, 
 - (b) the whole command ``tyingspec check benchmarks.torch_probe:tied_f32 --precision float32
   --shape V,d,N --case absent-tokens --shrink-budget 0 --json TMP``, as a subprocess;
 - (c) the same command for the broken ``input_path_dropped``;
-- (S) ``tyingspec --help`` as a subprocess: the Python + tyingspec start-up a command pays.
+- (S) ``tyingspec --help`` as a subprocess: the Python + tyingspec start-up a command pays;
+- (I) ``python -c "import benchmarks.torch_probe"`` as a subprocess: what any process that runs
+  the target pays before its first call (the interpreter and the target's own import of torch).
 
-It prints min/median/max of each, median(b)/median(a), and median(b) - median(S).
+It prints min/median/max of each, median(b)/median(a), median(b) - median(S), and
+median(b) - median(I): what the check costs beyond starting a process that imports the target.
 
 Part 2 (verdicts): each broken torch variant, the correct one and the float64-returning one,
 checked at the same shape on the case that exposes its bug; prints the JSON's verdict, label,
@@ -138,6 +141,7 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     b: list[float] = []
     c: list[float] = []
     s: list[float] = []
+    imp: list[float] = []
     last: dict[str, Run] = {}
     for _ in range(repeats):
         a.append(timed(fb))
@@ -147,6 +151,8 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
             out.append(r.seconds)
             last[name] = r
         s.append(run_cli(["--help"]).seconds)
+        imp.append(timed(lambda: subprocess.run([sys.executable, "-c", f"import {MODULE}"],
+                                                cwd=REPO, check=True)))
     print(f"== timing: V={V} d={d} N={N}, float32, seed {seed}, {repeats} interleaved rounds, "
           f"torch {torch_version()} with {torch_threads()} threads")
     print("(a) one forward+backward of tied_f32, in process")
@@ -158,10 +164,15 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     print(f"    {spread(c)}   -> {case_summary(last[BROKEN_TIMED])}")
     print("(S) tyingspec --help (interpreter + tyingspec start-up)")
     print(f"    {spread(s)}")
+    print(f"(I) python -c 'import {MODULE}' (interpreter + the target's own imports)")
+    print(f"    {spread(imp)}")
     mb, ma, ms = statistics.median(b), statistics.median(a), statistics.median(s)
+    mi = statistics.median(imp)
     print(f"median(b) / median(a)             = {mb / ma:.2f}x")
     print(f"median(b) - median(S)             = {mb - ms:.2f} s  "
           f"({(mb - ms) / ma:.2f}x one forward+backward)")
+    print(f"median(b) - median(I)             = {mb - mi:.2f} s  "
+          f"({(mb - mi) / ma:.2f}x one forward+backward)")
     print(f"median(c) / median(a)             = {statistics.median(c) / ma:.2f}x")
 
 

@@ -207,16 +207,13 @@ def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
 
 
 def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
-            paths: Paths | None = None, then: Callable[[Batch, Returned], None] | None = None
-            ) -> tuple[dict[str, Any], Returned, Paths, Precision]:
+            paths: Paths | None = None) -> tuple[dict[str, Any], Returned, Paths, Precision]:
     """One call and its reference on the same inputs, built once (a kernel's are a whole
     forward pass of the probe model); ``paths``: the reference, already built at the declared
-    precision; ``then(batch, returned)`` runs as soon as the call returns, before any judging."""
+    precision."""
     if inputs is None:
         inputs = target.table.inputs(batch)
     returned = _invoke(target, inputs)
-    if then is not None:
-        then(batch, returned)
     precision = precision_for(target, returned)
     returned, paths = _judged(target, batch, inputs, precision, returned, paths)
     return inputs, returned, paths, precision
@@ -432,21 +429,15 @@ def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
 def first_call(target: Target, case: Case, **overrides: Any) -> Observation:
     """Steps 1-5 of the module docstring: one call, judged; ``overrides`` replace inputs of
     the call (a torch property asks for its own checks only)."""
-    return _first_call(target, case, None, overrides)
-
-
-def _first_call(target: Target, case: Case, then: Callable[[Batch, Returned], None] | None,
-                overrides: dict[str, Any]) -> Observation:
     prepared = None if overrides else target._prepared.pop(case, None)
     if prepared is None:
         case, batch = batch_for(target, case)
         inputs, returned, paths, precision = _called(
-            target, batch, target.table.inputs(batch) | overrides if overrides else None,
-            then=then)
+            target, batch, target.table.inputs(batch) | overrides if overrides else None)
     else:
         case, batch = prepared.case, prepared.batch
         inputs, returned, paths, precision = _called(target, batch, prepared.inputs,
-                                                     prepared.paths, then=then)
+                                                     prepared.paths)
     return Observation(case, batch, returned, paths, precision,
                        judge(returned, paths, precision), inputs=inputs)
 
@@ -456,19 +447,13 @@ def _first_call(target: Target, case: Case, then: Callable[[Batch, Returned], No
 _LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Paths]] = {}
 
 
-def _record(target: Target, dE: np.ndarray, paths: Paths
-            ) -> tuple[np.ndarray, Paths] | None:
-    """Keep ``dE`` as the target's last at its shape; the one it replaces."""
-    key = (target.spec, target.kind, tuple(dE.shape))
+def _remember(target: Target, obs: Observation) -> Observation:
+    key = (target.spec, target.kind, tuple(obs.returned.dE.shape))
     previous = _LAST.get(key)
     # a copy in its own dtype (an adapter may reuse its buffer); float64 only if ever compared.
     # A worker's dE is already this process's own copy (see Worker.collect).
-    _LAST[key] = (dE if target.worker is not None else np.array(dE, copy=True), paths)
-    return previous
-
-
-def _remember(target: Target, obs: Observation) -> Observation:
-    previous = _record(target, obs.returned.dE, obs.paths)
+    dE = obs.returned.dE
+    _LAST[key] = (dE if target.worker is not None else np.array(dE, copy=True), obs.paths)
     if previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated" or \
             obs.diagnosis.findings:  # a named check decided it, not the rows
         return obs
@@ -492,80 +477,31 @@ def _stale(diag: Diagnosis, previous: tuple[np.ndarray, Paths], returned: Return
     return diag
 
 
-def _short_step(batch: Batch, dE: np.ndarray) -> tuple[Batch, float] | None:
-    """The batch of the call after the SGD step: E moved along ``dE``, cut to its first
-    ``SECOND_CALL_POSITIONS`` positions; None when ``dE`` is zero."""
-    moved = sgd_step(batch, dE)
-    if moved is None:
-        return None
-    stepped, lr = moved
-    keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
-    return replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep]), lr
-
-
 def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
             ) -> Observation:
     """Observe ``target`` on ``case``: the first call and the kind's second call (after one SGD
     step, or a repeat); returns the observation that decides the verdict (the second call's
     when it reveals a bug the first did not).  ``overrides`` replace inputs of the call."""
-    sgd = step and target.table.second_call == "sgd_step"
-    # A worker computes the call after the step while this process judges the first one: the
-    # step needs only the returned dE.  When the first call turns out wrong, that second call
-    # is still collected and kept as the target's last (the adapter saw it: a buffer never
-    # zeroed has it), never judged.
-    ahead: list[tuple[Batch, float]] = []
-
-    def submit_step(batch: Batch, returned: Returned) -> None:
-        assert target.worker is not None
-        short = _short_step(batch, returned.dE)
-        if short is not None:
-            target.worker.submit(target.table.inputs(short[0]))
-            ahead.append(short)
-
-    speculate = sgd and target.worker is not None and not overrides
-    try:
-        first = _remember(target, _first_call(target, case, submit_step if speculate else None,
-                                              overrides))
-    except BaseException:
-        if ahead:  # judging the first call failed: the worker's answer must not be left unread
-            assert target.worker is not None
-            try:
-                target.worker.collect()
-            except AdapterError:
-                pass
-        raise
-    if not step or target.table.second_call == "none" or (sgd and not speculate and
-                                                            first.diagnosis.wrong):
+    first = _remember(target, first_call(target, case, **overrides))
+    if not step or first.diagnosis.wrong or target.table.second_call == "none":
         return first
-    if speculate:
-        if not ahead:
+    lr = 0.0
+    batch = first.batch
+    if target.table.second_call == "sgd_step":
+        moved = sgd_step(first.batch, first.returned.dE)
+        if moved is None:
             return first
-        batch, lr = ahead[0]
-        inputs = target.table.inputs(batch)
-        # built while the worker runs, when the precision is known before the call returns
-        early = None if target.precision == "auto" else \
-            target.table.reference(batch, inputs, target.precision, None)
-        assert target.worker is not None
-        returned = target.worker.collect()
-        precision = precision_for(target, returned)
-        returned, paths = _judged(target, batch, inputs, precision, returned, early)
-        if first.diagnosis.wrong:
-            _record(target, returned.dE, paths)
-            return first
-    elif sgd:
-        short = _short_step(first.batch, first.returned.dE)
-        if short is None:
-            return first
-        batch, lr = short
-        inputs, returned, paths, precision = _called(target, batch)
-    else:  # a repeat: the same inputs, and their reference if it still fits
-        if first.diagnosis.wrong:
-            return first
-        lr, batch, inputs = 0.0, first.batch, first.inputs
+        stepped, lr = moved
+        keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
+        batch = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
+    inputs = first.inputs
+    if batch is first.batch:  # a repeat: the same inputs, and their reference if it still fits
         returned = _invoke(target, inputs)
         precision = precision_for(target, returned)
         returned, paths = _judged(target, batch, inputs, precision, returned,
                                   first.paths if precision == first.precision else None)
+    else:
+        inputs, returned, paths, precision = _called(target, batch)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
                                            judge(returned, paths, precision), AFTER_STEP,
                                            inputs))
