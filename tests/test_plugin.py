@@ -45,7 +45,10 @@ ADAPTERS = textwrap.dedent('''
 # Few examples keep the file fast; the derandomized ci profile keeps timings and outcomes the
 # same from run to run.  A broken kernel fails on the first examples anyway.
 FAST = ("--tyingspec-profile=ci", "--tyingspec-max-examples=10")
-XDIST = [pytest.param((), id="in-process"), pytest.param(("-n", "2"), id="xdist-n2")]
+# Under xdist every run starts two more interpreters: the default tier keeps the dedicated
+# xdist tests (the baseline gate, junitxml and the summary) and the slow tier runs these twins.
+XDIST = [pytest.param((), id="in-process"),
+         pytest.param(("-n", "2"), id="xdist-n2", marks=pytest.mark.slow)]
 
 
 @pytest.fixture
@@ -73,7 +76,9 @@ def test_a_correct_model_adapter_passes_every_property(repo: pytest.Pytester,
 
 @pytest.mark.parametrize("adapter, label, xdist", [
     pytest.param("output_path_only_kernel", "input_path_missing", ("-n", "2"),
-                 id="output-path-only-xdist-n2"),
+                 id="output-path-only-xdist-n2", marks=pytest.mark.slow),
+    pytest.param("output_path_only_kernel", "input_path_missing", (),
+                 id="output-path-only-in-process"),
     pytest.param("input_path_only_kernel", "output_path_missing", (),
                  id="input-path-only-in-process"),
     pytest.param("duplicates_buffered_kernel", "duplicates_not_accumulated", (),
