@@ -24,9 +24,9 @@ Entry ``(v, j)`` is within the bound when ``|a - e| <= bound_v + rtol |e|`` with
 terms scaled give the loss, dW and db their tolerances.
 
 Above ``tyingspec._probe.SKETCH_ABOVE`` multiply-adds, rows of tokens absent from the batch
-(which carry the output path alone) are compared through Gaussian directions ``z``:
-``|(a - e) . z| <= sum_j |z_j| (bound_v + rtol |e_vj|)``, the entrywise bound summed the same
-way (see ``tyingspec._probe.Sketch``).
+(which carry the output path alone) are compared through directions ``z`` (sampled columns
+and Gaussian directions): ``|(a - e) . z| <= sum_j |z_j| (bound_v + rtol |e_vj|)``, the
+entrywise bound summed the same way (see ``tyingspec._probe.Sketch``).
 """
 
 from __future__ import annotations
