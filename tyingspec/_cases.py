@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from . import _memory as memory
 from ._probe import (
     Array,
     InputPath,
@@ -144,7 +145,7 @@ def build(case: Case) -> Batch:
     dt = numpy_dtype(case.dtype)  # type: ignore[arg-type]
     if dt == np.float32:
         # drawn in float32 directly: at V*d = 38M this is a second, not a tenth of one
-        E = rng.standard_normal((case.V, case.d), dtype=np.float32)
+        E = rng.standard_normal(dtype=np.float32, out=memory.empty((case.V, case.d), np.float32))
         E *= np.float32(case.e_scale)
     else:
         E = (rng.normal(size=(case.V, case.d)) * case.e_scale).astype(dt)
@@ -258,7 +259,8 @@ def sgd_step(batch: Batch, dE: Array, step: float = SGD_STEP) -> tuple[Batch, fl
     # in E's own precision, as an optimizer steps it (a float64 copy of a GPT-2-size E costs
     # seconds), in one [V, d] array: E + (-lr) dE is bit for bit E - lr dE (negation is exact)
     dt = batch.E.dtype
-    E1 = np.multiply(dE, np.asarray(-lr, dtype=dt), dtype=dt, casting="same_kind")
+    E1 = np.multiply(dE, np.asarray(-lr, dtype=dt), dtype=dt, casting="same_kind",
+                     out=memory.empty(dE.shape, dt))
     E1 += batch.E
     return replace(batch, E=E1), lr
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ._memory import populate
 from ._options import DEFAULT_TIMEOUT
 
 __all__ = ["DEFAULT_TIMEOUT", "Worker"]
@@ -57,23 +58,6 @@ class _Shared:
     dtype: str
 
 
-#: ``madvise`` advice (Linux 5.14+) that maps a whole block in with one call.  Touching a fresh
-#: mapping of a 154 MB block page by page costs ~0.4 s of page faults on a VM, populating it
-#: ~0.01 s; where the advice is unknown the pages fault in on first use, as before.
-_POPULATE_READ, _POPULATE_WRITE = 22, 23
-
-
-def _populate(mapping: Any, *, write: bool) -> None:
-    """Fault in ``mapping`` (an ``mmap``, or a shared-memory block's) with one ``madvise``."""
-    advise = getattr(getattr(mapping, "_mmap", mapping), "madvise", None)
-    if advise is None or not sys.platform.startswith("linux"):
-        return
-    try:
-        advise(_POPULATE_WRITE if write else _POPULATE_READ)
-    except (OSError, ValueError):
-        pass
-
-
 def _large(a: Any) -> bool:
     import numpy as np
 
@@ -84,7 +68,7 @@ def _create(nbytes: int, name: str | None = None) -> Any:
     from multiprocessing import shared_memory
 
     block = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-    _populate(block, write=True)
+    populate(block, write=True)
     return block
 
 
@@ -107,7 +91,7 @@ def _take(shared: _Shared) -> Any:
     finally:
         block.close()
         block.unlink()
-    _populate(mapping, write=False)
+    populate(mapping, write=False)
     return np.frombuffer(mapping, dtype=np.dtype(shared.dtype),
                          count=math.prod(shared.shape)).reshape(shared.shape)
 
@@ -134,7 +118,7 @@ def _attach(name: str, attached: dict[str, Any]) -> Any:
         from multiprocessing import shared_memory
 
         block = attached[name] = shared_memory.SharedMemory(name=name)
-        _populate(block, write=False)
+        populate(block, write=False)
     return block
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from . import _memory as memory
 from ._tolerance import Terms
 
 Array = NDArray[np.floating]
@@ -247,7 +248,7 @@ def forward_parts(
     h = res_c * x + t
     # The softmax in place on one [N, V] buffer: at V = 50257 each extra temporary costs as
     # much as a matrix product.
-    g = h @ E_out.T
+    g = np.matmul(h, E_out.T, out=memory.empty((n, E_out.shape[0]), np.result_type(h, E_out)))
     if b is not None:
         g += b
     g -= g.max(axis=1, keepdims=True)  # shifted logits
