@@ -331,30 +331,44 @@ class _Sketched:
         self.atol_s = atol[self.sk][:, None] * np.abs(sketch.Z).sum(axis=0)[None, :]
         self.scan = self._scan(V)
 
-    def _allow_e(self, expected: Array) -> Array:
-        out: Array = np.maximum(self.atol_e + self.tol.rtol * np.abs(expected),
+    # Both parts are compared a block of rows at a time: whole-part temporaries are 12 MB
+    # each at GPT-2 size, and every fresh one costs its page faults again.
+
+    def _allow_e(self, expected: Array, rows: slice) -> Array:
+        out: Array = np.maximum(self.atol_e[rows] + self.tol.rtol * np.abs(expected),
                                 np.finfo(np.float64).tiny)
         return out
 
-    def _allow_s(self, y: float) -> Array:
-        out: Array = np.maximum(self.atol_s + self.tol.rtol * abs(y) * self.mag,
+    def _allow_s(self, y: float, rows: slice) -> Array:
+        out: Array = np.maximum(self.atol_s[rows] + self.tol.rtol * abs(y) * self.mag[rows],
                                 np.finfo(np.float64).tiny)
         return out
+
+    def _blocks(self, part: np.ndarray) -> list[slice]:
+        # a few MB per temporary: 512 exact rows of d entries, 8 x 512 projected ones
+        n = _BLOCK if part is self.exact else 8 * _BLOCK
+        return [slice(s, s + n) for s in range(0, part.shape[0], n)]
 
     def _scan(self, V: int) -> _Scan:
-        ref = self.i_e + self.o_e
-        diff = np.abs(self.a_e - ref)
-        allow = self._allow_e(ref)
         row_ratio = np.zeros(V)
-        row_ratio[self.exact] = (diff / allow).max(axis=1, initial=0.0)
-        allow_s = self._allow_s(1.0)
-        row_ratio[self.sk] = (np.abs(self.p_a - self.p_o) / allow_s).max(axis=1, initial=0.0)
-        nz = np.abs(ref) > 0
-        mx_rel = float((diff[nz] / np.abs(ref[nz])).max()) if nz.any() else 0.0
-        out_power = bool((np.abs(self.o_e) > allow).any()) or \
-            bool((np.abs(self.p_o) > allow_s).any())
-        return _Scan(row_ratio, float(row_ratio.max(initial=0.0)),
-                     float(diff.max(initial=0.0)), mx_rel, out_power)
+        mx_abs = mx_rel = 0.0
+        out_power = False
+        for b in self._blocks(self.exact):
+            ref = self.i_e[b] + self.o_e[b]
+            diff = np.abs(self.a_e[b] - ref)
+            allow = self._allow_e(ref, b)
+            row_ratio[self.exact[b]] = (diff / allow).max(axis=1, initial=0.0)
+            nz = np.abs(ref) > 0
+            if nz.any():
+                mx_rel = max(mx_rel, float((diff[nz] / np.abs(ref[nz])).max()))
+            mx_abs = max(mx_abs, float(diff.max(initial=0.0)))
+            out_power = out_power or bool((np.abs(self.o_e[b]) > allow).any())
+        for b in self._blocks(self.sk):
+            allow_s = self._allow_s(1.0, b)
+            row_ratio[self.sk[b]] = (np.abs(self.p_a[b] - self.p_o[b]) / allow_s).max(
+                axis=1, initial=0.0)
+            out_power = out_power or bool((np.abs(self.p_o[b]) > allow_s).any())
+        return _Scan(row_ratio, float(row_ratio.max(initial=0.0)), mx_abs, mx_rel, out_power)
 
     def rows(self, which: str, rows: np.ndarray) -> Array:
         """Rows of ``actual``, ``in`` or ``out`` in float64 (rows compared entry by entry)."""
@@ -366,9 +380,12 @@ class _Sketched:
         """Per row: is it within its bound of ``x dE_in + y dE_out``?  (dE_in is zero on the
         projected rows: they are the tokens absent from the batch.)"""
         ok = np.zeros(self.exact.shape[0] + self.sk.shape[0], dtype=bool)
-        cand = x * self.i_e + y * self.o_e
-        ok[self.exact] = (np.abs(self.a_e - cand) <= self._allow_e(cand)).all(axis=1)
-        ok[self.sk] = (np.abs(self.p_a - y * self.p_o) <= self._allow_s(y)).all(axis=1)
+        for b in self._blocks(self.exact):
+            cand = x * self.i_e[b] + y * self.o_e[b]
+            ok[self.exact[b]] = (np.abs(self.a_e[b] - cand) <= self._allow_e(cand, b)).all(axis=1)
+        for b in self._blocks(self.sk):
+            ok[self.sk[b]] = (np.abs(self.p_a[b] - y * self.p_o[b])
+                              <= self._allow_s(y, b)).all(axis=1)
         return ok
 
     def fit(self) -> tuple[float, float]:
