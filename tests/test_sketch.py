@@ -65,9 +65,12 @@ def test_input_path_adds_repeated_tokens_like_add_at() -> None:
 
 def test_directions_are_drawn_from_the_batch() -> None:
     t, y = np.array([3, 1, 4]), np.array([1, 5, 9])
-    Z1, s1 = sketch_directions(t, y, 6)
-    Z2, s2 = sketch_directions(t.copy(), y.copy(), 6)
-    Z3, s3 = sketch_directions(t, np.array([1, 5, 8]), 6)
+    Z1, cols, s1 = sketch_directions(t, y, 6)
+    # every column sampled when d <= 24: their unit vectors first, then the Gaussian ones
+    assert np.array_equal(cols, np.arange(6))
+    assert np.array_equal(Z1[:, :6], np.eye(6)) and Z1.shape == (6, 6 + 8)
+    Z2, _, s2 = sketch_directions(t.copy(), y.copy(), 6)
+    Z3, _, s3 = sketch_directions(t, np.array([1, 5, 8]), 6)
     assert s1 == s2 and np.array_equal(Z1, Z2)
     assert s1 != s3 and not np.array_equal(Z1, Z3)
 
@@ -114,7 +117,7 @@ def test_one_wrong_absent_row_is_found_and_named(relative: float, d: int) -> Non
 def test_an_error_in_one_unsampled_entry_is_seen_by_the_gaussian_directions() -> None:
     b, paths = _paths(d=64)
     assert paths.sketch is not None
-    unsampled = int(np.flatnonzero(~paths.sketch.Z[:, :24].any(axis=1))[0])
+    unsampled = int(np.setdiff1d(np.arange(64), paths.sketch.columns)[0])
     ref = np.asarray(paths.dE_in) + np.asarray(paths.dE_out)
     absent = int(np.setdiff1d(np.arange(96), paths.sketch.exact)[0])
     actual = ref.copy()

@@ -15,16 +15,13 @@ import numpy as np
 from . import _memory as memory
 from ._probe import (
     Array,
-    InputPath,
     IntArray,
-    OutputPath,
     Paths,
-    Sketch,
     closed_form_paths,
+    draw_directions,
+    input_path,
     kernel_terms,
-    scatter_rows,
-    sketch_directions,
-    sketched,
+    two_paths,
 )
 from ._tolerance import numpy_dtype
 
@@ -294,13 +291,10 @@ def padded(paths: Paths, padding_idx: int | None) -> Paths:
         return paths
     rows = np.array(paths.per_position, copy=True)
     rows[np.asarray(paths.tokens) == padding_idx] = 0
-    tokens, V = np.asarray(paths.tokens), paths.dE_in.shape[0]
-    if paths.sketch is None:
-        return replace(paths, per_position=rows, padding_idx=padding_idx,
-                       dE_in=scatter_rows(tokens, rows, V))
-    return replace(paths, per_position=rows, padding_idx=padding_idx,
-                   sketch=paths.sketch.with_exact(np.array([padding_idx])),
-                   dE_in=InputPath(tokens, rows, V))
+    sketch = None if paths.sketch is None else paths.sketch.with_exact(np.array([padding_idx]))
+    return replace(paths, per_position=rows, padding_idx=padding_idx, sketch=sketch,
+                   dE_in=input_path(np.asarray(paths.tokens), rows, paths.dE_in.shape[0],
+                                    factored=sketch is not None))
 
 
 def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
@@ -311,13 +305,10 @@ def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
     n, d = h.shape
     dt = working_dtype(V * d * n, precision)
     rows = np.asarray(dx, dtype=dt)
-    gw, hw = np.asarray(g, dtype=dt), np.asarray(h, dtype=dt)
-    Z, seed = sketch_directions(tokens, None, d) if (
-        sketched(V, d, n) if sketch is None else sketch) else (None, 0)
-    terms, projected = kernel_terms(tokens, dx, h, g, V, Z)
-    return Paths(loss=0.0,
-                 dE_in=scatter_rows(tokens, rows, V) if Z is None else InputPath(tokens, rows, V),
-                 dE_out=gw.T @ hw if Z is None else OutputPath(gw, hw),
-                 dW=np.zeros((0, 0)), db=None, per_position=rows, tokens=tokens, terms=terms,
-                 sketch=None if Z is None or projected is None else Sketch(
-                     np.unique(tokens).astype(np.int64), Z, seed, *projected))
+    drawn = draw_directions(V, d, n, tokens, None, sketch)
+    terms, projected = kernel_terms(tokens, dx, h, g, V, None if drawn is None else drawn[0])
+    dE_in, dE_out, judged = two_paths(tokens, rows, np.asarray(g, dtype=dt),
+                                      np.asarray(h, dtype=dt), V,
+                                      np.unique(tokens).astype(np.int64), drawn, projected)
+    return Paths(loss=0.0, dE_in=dE_in, dE_out=dE_out, dW=np.zeros((0, 0)), db=None,
+                 per_position=rows, tokens=tokens, terms=terms, sketch=judged)

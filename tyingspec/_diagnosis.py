@@ -298,14 +298,12 @@ class _Dense:
 def _projected(rows: np.ndarray, sketch: Sketch) -> Array:
     """``rows @ Z`` in float64: the sampled columns read out as they are (exact), the
     Gaussian directions summed in float64, a few MB of rows at a time."""
-    Z = sketch.Z
-    unit = (Z == 1.0).sum(axis=0) == 1
-    unit &= (Z != 0.0).sum(axis=0) == 1
-    out = np.empty((rows.shape[0], Z.shape[1]))
-    out[:, unit] = rows[:, np.argmax(Z[:, unit], axis=0)]
-    dense = Z[:, ~unit]
+    n = sketch.columns.shape[0]
+    out = np.empty((rows.shape[0], sketch.Z.shape[1]))
+    out[:, :n] = rows[:, sketch.columns]
+    gaussian = sketch.Z[:, n:]
     for s in range(0, rows.shape[0], 8 * _BLOCK):
-        out[s:s + 8 * _BLOCK, ~unit] = np.asarray(rows[s:s + 8 * _BLOCK], np.float64) @ dense
+        out[s:s + 8 * _BLOCK, n:] = np.asarray(rows[s:s + 8 * _BLOCK], np.float64) @ gaussian
     return out
 
 

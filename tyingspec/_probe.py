@@ -11,7 +11,7 @@ Tied means ``E_in is E_out``.  Everything here is plain numpy in the dtype of ``
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -136,14 +136,14 @@ class Sketch:
 
     exact: IntArray  # sorted rows compared entry by entry
     Z: Array  # [d, k] float64 directions, drawn from ``seed``
+    columns: IntArray  # the sampled columns: Z[:, :len(columns)] is their unit vectors
     seed: int
     out: Array  # [V, k] float64: dE_out @ Z
     mag: Array  # [V, k] float64: |g|.T @ (|h| @ |Z|)
 
     def with_exact(self, rows: IntArray) -> Sketch:
         """The same projections with ``rows`` also compared entry by entry."""
-        exact = np.union1d(self.exact, np.asarray(rows, dtype=np.int64))
-        return Sketch(exact, self.Z, self.seed, self.out, self.mag)
+        return replace(self, exact=np.union1d(self.exact, np.asarray(rows, dtype=np.int64)))
 
 
 #: Entries of each projected row compared under their own bound (all of them when d is
@@ -161,9 +161,11 @@ def sketched(V: int, d: int, n: int) -> bool:
     return V * d * n > SKETCH_ABOVE
 
 
-def sketch_directions(tokens: IntArray, targets: IntArray | None, d: int) -> tuple[Array, int]:
-    """``Z [d, k]`` (sampled columns, then Gaussian directions) and its seed, drawn from the
-    batch itself: a replay of the case (same tokens and targets) draws the same."""
+def sketch_directions(tokens: IntArray, targets: IntArray | None, d: int
+                      ) -> tuple[Array, IntArray, int]:
+    """``Z [d, k]`` (sampled columns, then Gaussian directions), the sampled columns and the
+    seed, drawn from the batch itself: a replay of the case (same tokens and targets) draws
+    the same."""
     seed = zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
     if targets is not None:
         seed = zlib.crc32(np.ascontiguousarray(targets, dtype=np.int64).tobytes(), seed)
@@ -171,7 +173,41 @@ def sketch_directions(tokens: IntArray, targets: IntArray | None, d: int) -> tup
     cols = np.sort(rng.choice(d, size=min(d, SAMPLED_COLUMNS), replace=False))
     sampled = np.zeros((d, cols.shape[0]))
     sampled[cols, np.arange(cols.shape[0])] = 1.0
-    return np.hstack([sampled, rng.standard_normal((d, GAUSSIAN_DIRECTIONS))]), seed
+    return np.hstack([sampled, rng.standard_normal((d, GAUSSIAN_DIRECTIONS))]), cols, seed
+
+
+Directions = tuple[Array, IntArray, int]  # what sketch_directions draws
+
+
+def draw_directions(V: int, d: int, n: int, tokens: IntArray, targets: IntArray | None,
+                    sketch: bool | None) -> Directions | None:
+    """The sketch's directions when a reference of this shape is sketched (``sketch``, when
+    given, overrides the size rule); None when every row is compared entry by entry."""
+    if not (sketched(V, d, n) if sketch is None else sketch):
+        return None
+    return sketch_directions(tokens, targets, d)
+
+
+def input_path(tokens: IntArray, rows: Array, vocab_size: int, *, factored: bool
+               ) -> Array | InputPath:
+    """The input path: the touched rows alone (a sketched reference), or the whole matrix."""
+    if factored:
+        return InputPath(tokens, rows, vocab_size)
+    return scatter_rows(tokens, rows, vocab_size)
+
+
+def two_paths(tokens: IntArray, per_position: Array, g: Array, h: Array, vocab_size: int,
+              exact: IntArray, drawn: Directions | None,
+              projected: tuple[Array, Array] | None
+              ) -> tuple[Array | InputPath, Array | OutputPath, Sketch | None]:
+    """A reference's input path, output path and sketch: whole matrices without directions;
+    with them, factored paths and the sketch that judges the rows outside ``exact``."""
+    dE_in = input_path(tokens, per_position, vocab_size, factored=drawn is not None)
+    if drawn is None:
+        return dE_in, g.T @ h, None
+    assert projected is not None  # directions given: the bound terms projected them
+    Z, columns, seed = drawn
+    return dE_in, OutputPath(g, h), Sketch(exact, Z, columns, seed, *projected)
 
 
 @dataclass(frozen=True)
@@ -307,21 +343,13 @@ def closed_form_paths(
     p = forward_parts(E, out, W, b, t, y, res, s_in)
     per_pos = p.input_rows
     V, d = out.shape
-    Z, seed = sketch_directions(t, y, d) if (
-        sketched(V, d, t.shape[0]) if sketch is None else sketch) else (None, 0)
-    terms, projected = model_terms(E, out, W, b, t, y, res, s_in, p, Z)
-    return Paths(
-        loss=p.loss,
-        dE_in=scatter_rows(t, per_pos, V) if Z is None else InputPath(t, per_pos, V),
-        dE_out=p.g.T @ p.h if Z is None else OutputPath(p.g, p.h),
-        dW=p.dW,
-        db=p.db,
-        per_position=per_pos,
-        tokens=t,
-        terms=terms,
-        sketch=None if projected is None or Z is None else Sketch(
-            np.union1d(t, y).astype(np.int64), Z, seed, *projected),
-    )
+    drawn = draw_directions(V, d, t.shape[0], t, y, sketch)
+    terms, projected = model_terms(E, out, W, b, t, y, res, s_in, p,
+                                   None if drawn is None else drawn[0])
+    dE_in, dE_out, judged = two_paths(t, per_pos, p.g, p.h, V,
+                                      np.union1d(t, y).astype(np.int64), drawn, projected)
+    return Paths(loss=p.loss, dE_in=dE_in, dE_out=dE_out, dW=p.dW, db=p.db,
+                 per_position=per_pos, tokens=t, terms=terms, sketch=judged)
 
 
 def _abs_max_rows(a: Array) -> Array:
@@ -347,8 +375,8 @@ def _output_rows(g: Array, h: Array, targets: IntArray, e_rows: Array | None = N
     h_inf = _abs_max_rows(h)
     k = 0 if Z is None else Z.shape[1]
     # one right-hand side for the |g| products: max |h| per position, then |h| @ |Z|
-    right = h_inf[:, None] if Z is None else np.hstack(
-        [h_inf[:, None], np.abs(np.asarray(h, np.float64)) @ np.abs(Z)])
+    h64 = np.asarray(h, np.float64)
+    right = h_inf[:, None] if Z is None else np.hstack([h_inf[:, None], np.abs(h64) @ np.abs(Z)])
     right_w = right.astype(g.dtype)
     sums = np.zeros((V, 1 + k))
     col = np.zeros(V)
@@ -367,7 +395,7 @@ def _output_rows(g: Array, h: Array, targets: IntArray, e_rows: Array | None = N
         # The projections in g's own dtype, as the whole product would be: the reference's
         # rounding, which the bound's factor 2 counts (a sampled column is the column of the
         # g.T @ h a dense reference computes in that dtype, up to the order of the sums).
-        hz = (np.asarray(h, np.float64) @ Z).astype(g.dtype)
+        hz = (h64 @ Z).astype(g.dtype)
         proj = np.asarray(g.T @ hz, dtype=np.float64)
         tgt_z = np.zeros((V, k))
         if targets.shape[0] == n:  # a kernel's call has no targets: its g already holds them
