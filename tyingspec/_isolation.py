@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ._memory import populate
+from . import _memory as memory
 from ._options import DEFAULT_TIMEOUT
 
 __all__ = ["DEFAULT_TIMEOUT", "Worker"]
@@ -68,7 +68,7 @@ def _create(nbytes: int, name: str | None = None) -> Any:
     from multiprocessing import shared_memory
 
     block = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-    populate(block, write=True)
+    memory.populate(block, write=True)
     return block
 
 
@@ -77,11 +77,8 @@ def _take(shared: _Shared) -> Any:
     a copy: the array owns a mapping of the block, whose name is unlinked at once, so its
     memory goes with the array.  (Copying it out instead writes a fresh [V, d] array: 0.1-0.6 s
     of page faults at GPT-2 size on a VM, where mapping the populated block takes ~0.01 s.)"""
-    import math
     import mmap
     from multiprocessing import shared_memory
-
-    import numpy as np
 
     block = shared_memory.SharedMemory(name=shared.name)
     try:
@@ -91,9 +88,7 @@ def _take(shared: _Shared) -> Any:
     finally:
         block.close()
         block.unlink()
-    populate(mapping, write=False)
-    return np.frombuffer(mapping, dtype=np.dtype(shared.dtype),
-                         count=math.prod(shared.shape)).reshape(shared.shape)
+    return memory.over(mapping, shared.shape, shared.dtype, write=False)
 
 
 def _in_block(a: Any, block: Any) -> Any:
@@ -118,7 +113,7 @@ def _attach(name: str, attached: dict[str, Any]) -> Any:
         from multiprocessing import shared_memory
 
         block = attached[name] = shared_memory.SharedMemory(name=name)
-        populate(block, write=False)
+        memory.populate(block, write=False)
     return block
 
 

@@ -40,6 +40,13 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     nbytes = math.prod(shape) * dt.itemsize
     if nbytes < POPULATE_ABOVE or not sys.platform.startswith("linux"):
         return np.empty(shape, dtype=dt)
-    mapping = mmap.mmap(-1, nbytes)
-    populate(mapping, write=True)
-    return np.frombuffer(mapping, dtype=dt).reshape(shape)
+    return over(mmap.mmap(-1, nbytes), shape, dt, write=True)
+
+
+def over(mapping: mmap.mmap, shape: tuple[int, ...], dtype: Any, *, write: bool
+         ) -> np.ndarray:
+    """The array of ``shape`` and ``dtype`` at the start of ``mapping``, which it keeps alive;
+    its pages faulted in at once (for writing, or for reading what is there)."""
+    populate(mapping, write=write)
+    return np.frombuffer(mapping, dtype=np.dtype(dtype),
+                         count=math.prod(shape)).reshape(shape)
