@@ -15,10 +15,15 @@ Part 1 (timing), interleaved over ``--repeats`` rounds (A, B, C, S, A, B, C, S, 
 - (c) the same command for the broken ``input_path_dropped``;
 - (S) ``tyingspec --help`` as a subprocess: the Python + tyingspec start-up a command pays;
 - (I) ``python -c "import benchmarks.torch_probe"`` as a subprocess: what any process that runs
-  the target pays before its first call (the interpreter and the target's own import of torch).
+  the target pays before its first call (the interpreter and the target's own import of torch);
+- (F) the floor of any check that runs the target in a fresh process: a subprocess that imports
+  the target, builds the check's batch with ``tyingspec.build`` and calls ``tied_f32`` once on
+  it (no reference, no judgement, no second call).
 
-It prints min/median/max of each, median(b)/median(a), median(b) - median(S), and
-median(b) - median(I): what the check costs beyond starting a process that imports the target.
+It prints min/median/max of each, median(b)/median(a), median(b) - median(S),
+median(b) - median(I): what the check costs beyond starting a process that imports the target,
+and median(F)/median(a): what a check would cost if its reference, judgement and second call
+were free.
 
 Part 2 (verdicts): each broken torch variant, the correct one and the float64-returning one,
 checked at the same shape on the case that exposes its bug; prints the JSON's verdict, label,
@@ -108,6 +113,17 @@ def forward_backward(batch: Batch) -> Callable[[], object]:
                             res=batch.res, s_in=batch.s_in)
 
 
+def floor_call(shape: tuple[int, int, int]) -> None:
+    """(F), run in a fresh process: draw the check's batch and call the target once."""
+    fb = forward_backward(absent_tokens_batch(shape, 0))  # the check's own seed
+    fb()
+
+
+def floor_argv(shape: tuple[int, int, int]) -> list[str]:
+    return [sys.executable, "-c",
+            f"from benchmarks.bench_check import floor_call; floor_call({tuple(shape)!r})"]
+
+
 def timed(f: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     f()
@@ -142,6 +158,7 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     c: list[float] = []
     s: list[float] = []
     imp: list[float] = []
+    fl: list[float] = []
     last: dict[str, Run] = {}
     for _ in range(repeats):
         a.append(timed(fb))
@@ -153,6 +170,7 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
         s.append(run_cli(["--help"]).seconds)
         imp.append(timed(lambda: subprocess.run([sys.executable, "-c", f"import {MODULE}"],
                                                 cwd=REPO, check=True)))
+        fl.append(timed(lambda: subprocess.run(floor_argv(shape), cwd=REPO, check=True)))
     print(f"== timing: V={V} d={d} N={N}, float32, seed {seed}, {repeats} interleaved rounds, "
           f"torch {torch_version()} with {torch_threads()} threads")
     print("(a) one forward+backward of tied_f32, in process")
@@ -166,14 +184,21 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     print(f"    {spread(s)}")
     print(f"(I) python -c 'import {MODULE}' (interpreter + the target's own imports)")
     print(f"    {spread(imp)}")
+    print("(F) a fresh process: import the target, build the check's batch, one call")
+    print(f"    {spread(fl)}")
     mb, ma, ms = statistics.median(b), statistics.median(a), statistics.median(s)
-    mi = statistics.median(imp)
+    mi, mf = statistics.median(imp), statistics.median(fl)
     print(f"median(b) / median(a)             = {mb / ma:.2f}x")
     print(f"median(b) - median(S)             = {mb - ms:.2f} s  "
           f"({(mb - ms) / ma:.2f}x one forward+backward)")
     print(f"median(b) - median(I)             = {mb - mi:.2f} s  "
           f"({(mb - mi) / ma:.2f}x one forward+backward)")
     print(f"median(c) / median(a)             = {statistics.median(c) / ma:.2f}x")
+    print(f"median(F) / median(a)             = {mf / ma:.2f}x  (the floor: what any check "
+          "that runs the target in a fresh process pays before judging anything)")
+    print(f"median(b) - median(F)             = {mb - mf:.2f} s  "
+          f"({(mb - mf) / ma:.2f}x one forward+backward: the reference, judgement and "
+          "second call)")
 
 
 def torch_version() -> str:
