@@ -69,6 +69,18 @@ def test_correct_builtin_exits_0(capsys: pytest.CaptureFixture[str], kind: str) 
     assert "verdict: correct" in out
 
 
+def test_main_runs_where_stderr_is_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A notebook, or a test capturing sys.stderr: main() still runs, without its crash handler.
+    import faulthandler
+    import io
+
+    monkeypatch.setattr(faulthandler, "is_enabled", lambda: False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert main(["check", "tied", "--case", "absent-tokens"]) == 0
+    assert "verdict: correct" in sys.stdout.getvalue()
+
+
 def test_replay_line_reproduces_the_shrunk_failure(capsys: pytest.CaptureFixture[str]) -> None:
     _, out = _run(capsys, "check", "duplicates-buffered", "--case", "one-token-repeated")
     replay = re.search(r"replay: (tyingspec check .*)", out)

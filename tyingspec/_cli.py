@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -299,7 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import faulthandler
 
     if not faulthandler.is_enabled():  # a crash in tyingspec itself still prints where it was
-        faulthandler.enable()
+        try:
+            faulthandler.enable()
+        except (AttributeError, ValueError, io.UnsupportedOperation):
+            pass  # main() called with a stderr that is no file (a notebook, a captured test)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
