@@ -1,7 +1,13 @@
 """Hypothesis profiles for tyingspec's own suite: `dev` locally, the derandomized `ci` under CI."""
 
+import contextlib
+import io
 import os
+import sys
+import textwrap
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -24,3 +30,50 @@ def torch_one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class Scratch:
+    """A scratch directory holding a user's files, in which ``pytest`` runs as a user runs it,
+    but inside this process: a second interpreter per run cost the default tier ~15 s.
+
+    Unlike ``pytester.runpytest_inprocess`` it keeps the modules a run imported (pytester drops
+    them, and a later import then loads a second copy: numpy >= 2.3 and Rust extensions refuse
+    to load twice).  Only the scratch directory's own modules and ``sys.path`` are undone.
+    The run goes without pytest's unraisable-exception plugin, whose five ``gc.collect()`` at
+    the end of a session cost ~0.8 s over this process's heap (torch, transformers, sympy)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def makepyfile(self, **files: str) -> None:
+        for name, text in files.items():
+            (self.path / f"{name}.py").write_text(textwrap.dedent(text))
+
+    def makeconftest(self, text: str) -> None:
+        self.makepyfile(conftest=text)
+
+    def runpytest(self, *args: str) -> pytest.RunResult:
+        out, err = io.StringIO(), io.StringIO()
+        path, modules = list(sys.path), set(sys.modules)
+        t0 = time.perf_counter()
+        try:
+            with contextlib.chdir(self.path), contextlib.redirect_stdout(out), \
+                    contextlib.redirect_stderr(err):
+                ret = pytest.main(["-p", "no:unraisableexception", *args])
+        finally:
+            sys.path[:] = path
+            for name in set(sys.modules) - modules:
+                file = getattr(sys.modules[name], "__file__", None) or ""
+                if Path(file).is_relative_to(self.path):
+                    del sys.modules[name]
+        return pytest.RunResult(ret, out.getvalue().splitlines(), err.getvalue().splitlines(),
+                                time.perf_counter() - t0)
+
+
+@pytest.fixture
+def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Scratch:
+    """An empty :class:`Scratch`; the runs see no PYTEST_ADDOPTS of the outer session."""
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    monkeypatch.setenv("PY_COLORS", "0")
+    return Scratch(tmp_path)
+

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import Scratch
 from tyingspec.properties import PROPERTIES, PropertyFailure
 
 from tyingspec._check import check_target
@@ -117,18 +118,16 @@ def test_the_kernel_property_names_the_bug(name: str) -> None:
 
 
 @pytest.mark.parametrize("adapter,code,label", [
-    ("ce-numpy", 0, None),
-    # a second pytest session; the zoo's labels are pinned in the default tier elsewhere
-    pytest.param("ce-z-loss-missing", 1, "z_loss_missing", marks=pytest.mark.slow)])
-def test_the_plugin_runs_the_linear_ce_properties(tmp_path: Path, adapter: str, code: int,
-                                                  label: str | None) -> None:
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                          f"--tyingspec-adapter={adapter}", "--tyingspec-kind=linear-ce"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert run.returncode == code, run.stdout[-3000:]
-    assert "ce_kernel_outputs" in run.stdout
+    ("ce-numpy", 0, None), ("ce-z-loss-missing", 1, "z_loss_missing")])
+def test_the_plugin_runs_the_linear_ce_properties(scratch: Scratch, adapter: str,
+                                                  code: int, label: str | None) -> None:
+    run = scratch.runpytest("-p", "no:cacheprovider", f"--tyingspec-adapter={adapter}",
+                                       "--tyingspec-kind=linear-ce")
+    out = run.stdout.str()
+    assert run.ret == code, out[-3000:]
+    assert "ce_kernel_outputs" in out
     if label is not None:
-        assert label in run.stdout and "--tyingspec-replay=" in run.stdout
+        assert label in out and "--tyingspec-replay=" in out
 
 
 def test_bfloat16_inputs_reach_a_torch_kernel_and_are_judged_at_bfloat16() -> None:
@@ -138,18 +137,19 @@ def test_bfloat16_inputs_reach_a_torch_kernel_and_are_judged_at_bfloat16() -> No
     assert bad.exit_code == 1 and bad.diagnosis_label == "logit_scale_dropped"
 
 
-def test_the_plugin_draws_only_the_options_a_kernel_declares(tmp_path: Path) -> None:
-    (tmp_path / "kern.py").write_text(UNSUPPORTED)
-    (tmp_path / "plain.py").write_text(textwrap.dedent("""
+def test_the_plugin_draws_only_the_options_a_kernel_declares(scratch: Scratch) -> None:
+    (scratch.path / "kern.py").write_text(UNSUPPORTED)
+    (scratch.path / "plain.py").write_text(textwrap.dedent("""
         from tyingspec._linear_ce_zoo import ce_numpy
         def no_options(h, E, targets, b=None, *, grad_output=None):
             return ce_numpy(h, E, targets, b, grad_output=grad_output)
     """))
     for adapter in ("kern:no_softcap", "plain:no_options"):
-        run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                              f"--tyingspec-adapter={adapter}", "--tyingspec-kind=linear-ce",
-                              "--hypothesis-show-statistics"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600)
+        run = scratch.runpytest("-p", "no:cacheprovider",
+                                           f"--tyingspec-adapter={adapter}",
+                                           "--tyingspec-kind=linear-ce",
+                                           "--hypothesis-show-statistics")
+        out = run.stdout.str()
         # a kernel with few options is still checked on every example, not filtered away
-        assert run.returncode == 0, run.stdout[-3000:]
-        assert "needs option" not in run.stdout
+        assert run.ret == 0, out[-3000:]
+        assert "needs option" not in out

@@ -1,5 +1,6 @@
 """The pytest plugin, end to end: scratch repositories holding only an adapter module, run with
-``pytest --tyingspec-adapter=...`` in a subprocess, with and without ``-n 2``."""
+``pytest --tyingspec-adapter=...`` (a pytest session in this process, with and without
+``-n 2``; the adapters run in tyingspec's worker processes as a user's would)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from conftest import Scratch
 from hypothesis import Phase
 from tyingspec.properties import for_kind
 
@@ -20,8 +22,6 @@ from tyingspec._baseline import apply_check_baseline, load
 from tyingspec._cases import standard_cases
 from tyingspec._check import check_target
 from tyingspec._suite import profile_settings
-
-pytest_plugins = ["pytester"]
 
 ADAPTERS = textwrap.dedent('''
     """A user's adapters: tyingspec's correct and broken built-ins, re-exported."""
@@ -52,14 +52,14 @@ XDIST = [pytest.param((), id="in-process"),
 
 
 @pytest.fixture
-def repo(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makepyfile(adapters=ADAPTERS)
-    return pytester
+def repo(scratch: Scratch) -> Scratch:
+    scratch.makepyfile(adapters=ADAPTERS)
+    return scratch
 
 
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    # -p xdist: pytester's subprocess sees the same entry points, but say it explicitly.
-    return pytester.runpytest_subprocess("-p", "xdist", "-p", "no:cacheprovider", *args)
+def run(repo: Scratch, *args: str) -> pytest.RunResult:
+    # pytest's own main() with the plugin loaded from its entry point, as in a user's run
+    return repo.runpytest("-p", "xdist", "-p", "no:cacheprovider", *args)
 
 
 def kernel_properties() -> int:
@@ -67,7 +67,7 @@ def kernel_properties() -> int:
 
 
 @pytest.mark.parametrize("xdist", XDIST)
-def test_a_correct_model_adapter_passes_every_property(repo: pytest.Pytester,
+def test_a_correct_model_adapter_passes_every_property(repo: Scratch,
                                                        xdist: tuple[str, ...]) -> None:
     result = run(repo, "--tyingspec-adapter=adapters:correct_model", *FAST, *xdist)
     result.assert_outcomes(passed=len(for_kind("model")))
@@ -87,7 +87,7 @@ def test_a_correct_model_adapter_passes_every_property(repo: pytest.Pytester,
                  id="output-path-overwritten-in-process"),
 ])
 def test_each_broken_kernel_fails_with_its_named_verdict(
-        repo: pytest.Pytester, adapter: str, label: str, xdist: tuple[str, ...]) -> None:
+        repo: Scratch, adapter: str, label: str, xdist: tuple[str, ...]) -> None:
     result = run(repo, f"--tyingspec-adapter=adapters:{adapter}", "--tyingspec-kind=kernel",
                  *FAST, "-k", "sum_of_paths", *xdist)
     assert result.ret == 1
@@ -96,7 +96,7 @@ def test_each_broken_kernel_fails_with_its_named_verdict(
 
 
 def test_a_failure_prints_the_diagnosis_then_the_smallest_batch_then_a_replay_line_that_works(
-        repo: pytest.Pytester) -> None:
+        repo: Scratch) -> None:
     first = run(repo, "--tyingspec-adapter=adapters:output_path_only_kernel",
                 "--tyingspec-kind=kernel", *FAST, "-k", "sum_of_paths")
     assert first.ret == 1
@@ -128,7 +128,7 @@ def test_a_failure_prints_the_diagnosis_then_the_smallest_batch_then_a_replay_li
 
 
 def test_a_model_adapter_failure_on_a_replayed_batch_names_path_rows_and_verdict(
-        repo: pytest.Pytester) -> None:
+        repo: Scratch) -> None:
     # A replayed batch skips Hypothesis' search and shrink: V*d = 64 uses the closed-form
     # reference, so this stays fast while exercising the model contract end to end.
     case = "sum_of_paths V=16 d=4 N=6 seed=3 composition=distinct bias=True"
@@ -156,7 +156,7 @@ def test_a_model_adapter_failure_on_a_replayed_batch_names_path_rows_and_verdict
 
 
 def test_an_adapter_error_is_reported_as_such_not_as_a_wrong_gradient(
-        repo: pytest.Pytester) -> None:
+        repo: Scratch) -> None:
     result = run(repo, "--tyingspec-adapter=adapters:wrong_shape_model", *FAST,
                  "-k", "sum_of_paths")
     assert result.ret == 1
@@ -169,7 +169,7 @@ def test_an_adapter_error_is_reported_as_such_not_as_a_wrong_gradient(
 
 @pytest.mark.parametrize("xdist", XDIST)
 def test_an_adapter_that_cannot_be_imported_exits_with_status_2_naming_it(
-        repo: pytest.Pytester, xdist: tuple[str, ...]) -> None:
+        repo: Scratch, xdist: tuple[str, ...]) -> None:
     result = run(repo, "--tyingspec-adapter=no_such_module:grads", *xdist)
     assert result.ret == 2
     text = result.stdout.str() + result.stderr.str()
@@ -177,7 +177,7 @@ def test_an_adapter_that_cannot_be_imported_exits_with_status_2_naming_it(
     assert "cannot be imported" in text and "ModuleNotFoundError" in text
 
 
-def test_a_missing_attribute_exits_with_status_2_naming_it(repo: pytest.Pytester) -> None:
+def test_a_missing_attribute_exits_with_status_2_naming_it(repo: Scratch) -> None:
     result = run(repo, "--tyingspec-adapter=adapters:not_there")
     assert result.ret == 2
     assert "has no attribute 'not_there'" in result.stdout.str() + result.stderr.str()
@@ -185,7 +185,7 @@ def test_a_missing_attribute_exits_with_status_2_naming_it(repo: pytest.Pytester
 
 @pytest.mark.parametrize("xdist", XDIST)
 def test_the_baseline_gate_fails_a_run_in_which_a_previously_passing_property_fails(
-        repo: pytest.Pytester, xdist: tuple[str, ...]) -> None:
+        repo: Scratch, xdist: tuple[str, ...]) -> None:
     baseline = repo.path / "tyingspec-baseline.json"
     common = ("--tyingspec-kind=kernel", f"--tyingspec-baseline={baseline}", *FAST)
     first = run(repo, "--tyingspec-adapter=adapters:correct_kernel", *common)
@@ -208,7 +208,7 @@ def test_the_baseline_gate_fails_a_run_in_which_a_previously_passing_property_fa
 
 
 def test_the_baseline_gate_fails_under_xdist_even_when_pytest_counts_nothing_as_failed(
-        repo: pytest.Pytester) -> None:
+        repo: Scratch) -> None:
     baseline = repo.path / "baseline.json"
     common = ("--tyingspec-kind=kernel", f"--tyingspec-baseline={baseline}", *FAST,
               "-k", "sum_of_paths")
@@ -230,7 +230,7 @@ def test_the_baseline_gate_fails_under_xdist_even_when_pytest_counts_nothing_as_
 
 
 def test_the_update_flag_rewrites_the_baseline_and_accepts_the_new_verdicts(
-        repo: pytest.Pytester) -> None:
+        repo: Scratch) -> None:
     baseline = repo.path / "baseline.json"
     common = ("--tyingspec-kind=kernel", f"--tyingspec-baseline={baseline}", *FAST,
               "-k", "sum_of_paths")
@@ -246,7 +246,7 @@ def test_the_update_flag_rewrites_the_baseline_and_accepts_the_new_verdicts(
 
 
 def test_an_unreadable_baseline_is_a_usage_error_before_anything_runs(
-        repo: pytest.Pytester) -> None:
+        repo: Scratch) -> None:
     (repo.path / "baseline.json").write_text("{not json")
     result = run(repo, "--tyingspec-adapter=adapters:correct_kernel", "--tyingspec-kind=kernel",
                  "--tyingspec-baseline=baseline.json")
@@ -254,7 +254,7 @@ def test_an_unreadable_baseline_is_a_usage_error_before_anything_runs(
     assert f"baseline {repo.path / 'baseline.json'}: cannot be read as JSON" in result.stderr.str()
 
 
-def test_junitxml_and_the_markdown_summary_work_under_xdist(repo: pytest.Pytester) -> None:
+def test_junitxml_and_the_markdown_summary_work_under_xdist(repo: Scratch) -> None:
     xml, summary = repo.path / "junit.xml", repo.path / "summary.md"
     result = run(repo, "--tyingspec-adapter=adapters:output_path_only_kernel",
                  "--tyingspec-kind=kernel", *FAST, "-n", "2", f"--junitxml={xml}",
@@ -276,7 +276,7 @@ def test_junitxml_and_the_markdown_summary_work_under_xdist(repo: pytest.Pyteste
 
 
 def test_the_suite_collects_one_test_per_property_in_sorted_order(
-        repo: pytest.Pytester) -> None:
+        repo: Scratch) -> None:
     # Sorted, static ids are what lets every xdist worker collect the same list (xdist aborts
     # the run otherwise, so each -n 2 run above checks it too).
     result = run(repo, "--tyingspec-adapter=adapters:correct_model", "--collect-only", "-q")
@@ -285,16 +285,16 @@ def test_the_suite_collects_one_test_per_property_in_sorted_order(
     assert ids == [f"tyingspec::test_{n}" for n in sorted(p.name for p in for_kind("model"))]
 
 
-def test_the_plugin_does_nothing_without_an_adapter(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_user="def test_user_code():\n    assert 1 + 1 == 2\n")
-    result = run(pytester, "-v")
+def test_the_plugin_does_nothing_without_an_adapter(scratch: Scratch) -> None:
+    scratch.makepyfile(test_user="def test_user_code():\n    assert 1 + 1 == 2\n")
+    result = run(scratch, "-v")
     result.assert_outcomes(passed=1)
     assert "tyingspec" not in result.stdout.str().replace("tyingspec-", "")
 
 
 def test_tyingspec_options_without_an_adapter_are_a_usage_error(
-        pytester: pytest.Pytester) -> None:
-    result = run(pytester, "--tyingspec-baseline=b.json")
+        scratch: Scratch) -> None:
+    result = run(scratch, "--tyingspec-baseline=b.json")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "--tyingspec-baseline given without --tyingspec-adapter" in result.stderr.str()
 
@@ -306,9 +306,9 @@ def test_tyingspec_options_without_an_adapter_are_a_usage_error(
     ("--tyingspec-adapter=my module:f", "expected module:attr with dotted Python names"),
     ("--tyingspec-replay=sum_of_paths", "expected 'PROPERTY key=value ...'"),
 ])
-def test_bad_option_values_are_rejected_naming_the_option(pytester: pytest.Pytester,
+def test_bad_option_values_are_rejected_naming_the_option(scratch: Scratch,
                                                           option: str, message: str) -> None:
-    result = run(pytester, "--tyingspec-adapter=tied", option)
+    result = run(scratch, "--tyingspec-adapter=tied", option)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     name = option.split("=")[0]
     assert f"argument {name}: {message}" in result.stderr.str()
@@ -323,7 +323,7 @@ def test_profiles_map_to_hypothesis_settings() -> None:
     assert profile_settings("dev", replay=True).phases == (Phase.explicit,)
 
 
-def test_the_ci_profile_applies_when_ci_is_set(repo: pytest.Pytester,
+def test_the_ci_profile_applies_when_ci_is_set(repo: Scratch,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CI", "true")
     result = run(repo, "--tyingspec-adapter=adapters:correct_model", "--collect-only")

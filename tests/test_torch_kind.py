@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import Scratch
 from tyingspec.properties import PROPERTIES, PropertyFailure
 
 from tyingspec import standard_cases
@@ -159,24 +160,20 @@ def test_padding_idx_is_honoured_not_reported() -> None:
         assert o.label == "correct", o.diagnosis.headline()
 
 
-# the failing run is a second torch pytest session: the slow tier's (the zoo's labels are
-# pinned by the kill matrix and tests/test_torch_zoo.py in the default tier)
 PLUGIN_ADAPTERS = [pytest.param("nanogpt", 0, None),
-                   pytest.param("nanogpt-grad-assigned", 1, "gradient_assigned",
-                                marks=pytest.mark.slow)]
+                   pytest.param("nanogpt-grad-assigned", 1, "gradient_assigned")]
 
 
 @pytest.mark.parametrize("adapter,code,label", PLUGIN_ADAPTERS)
-def test_the_plugin_runs_the_torch_properties(tmp_path: Path, adapter: str, code: int,
+def test_the_plugin_runs_the_torch_properties(scratch: Scratch, adapter: str, code: int,
                                               label: str | None) -> None:
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                          f"--tyingspec-adapter={adapter}", "--tyingspec-kind=torch",
-                          "--tyingspec-max-examples=5"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == code, run.stdout[-3000:]
-    assert "torch_micro_batches_accumulate" in run.stdout
+    run = scratch.runpytest("-p", "no:cacheprovider", f"--tyingspec-adapter={adapter}",
+                            "--tyingspec-kind=torch", "--tyingspec-max-examples=5")
+    out = run.stdout.str()
+    assert run.ret == code, out[-3000:]
+    assert "torch_micro_batches_accumulate" in out
     if label is not None:
-        assert label in run.stdout and "--tyingspec-replay=" in run.stdout
+        assert label in out and "--tyingspec-replay=" in out
 
 
 PADDED_ADAPTER = textwrap.dedent("""
