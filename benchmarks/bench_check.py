@@ -22,8 +22,9 @@ Part 1 (timing), interleaved over ``--repeats`` rounds (A, B, C, S, A, B, C, S, 
 
 It prints min/median/max of each, median(b)/median(a), median(b) - median(S),
 median(b) - median(I): what the check costs beyond starting a process that imports the target,
-and median(F)/median(a): what a check would cost if its reference, judgement and second call
-were free.
+median(F)/median(a): what a check would cost if its reference, judgement and second call
+were free, and (median(I) + median(a))/median(a): the same for a check that builds its batch
+while the target is imported, as tyingspec's does.
 
 Part 2 (verdicts): each broken torch variant, the correct one and the float64-returning one,
 checked at the same shape on the case that exposes its bug; prints the JSON's verdict, label,
@@ -196,6 +197,8 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     print(f"median(c) / median(a)             = {statistics.median(c) / ma:.2f}x")
     print(f"median(F) / median(a)             = {mf / ma:.2f}x  (the floor: what any check "
           "that runs the target in a fresh process pays before judging anything)")
+    print(f"(median(I) + median(a)) / median(a) = {(mi + ma) / ma:.2f}x  (the floor of a check "
+          "that builds the batch while the target is imported: the import and one call)")
     print(f"median(b) - median(F)             = {mb - mf:.2f} s  "
           f"({(mb - mf) / ma:.2f}x one forward+backward: the reference, judgement and "
           "second call)")
