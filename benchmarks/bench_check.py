@@ -30,11 +30,9 @@ Part 2 (verdicts): each broken torch variant, the correct one and the float64-re
 checked at the same shape on the case that exposes its bug; prints the JSON's verdict, label,
 precision and margin next to the label expected.
 
-Cost: at V=2000 d=64 N=256 the whole run takes about 30 s.  At the default (GPT-2) size each
-check subprocess took 40-240 s on a 2-core machine, so the whole run took 36 minutes; most of a
-check there is tyingspec's float64 reference, whose matmuls run over a softmax gradient that is
-18% float64 subnormals (E is drawn N(0, 1), so the logits of a row span ~900).  Use
-``--repeats 1`` or ``--skip-verdicts`` to shorten it.
+Cost: at V=2000 d=64 N=256 the whole run takes about 35 s.  At the default (GPT-2) size one
+check subprocess takes 5-7 s on a 2-core machine, and the whole run with ``--repeats 5`` took
+164 s.  Use ``--skip-verdicts`` or ``--skip-timing`` to run one part.
 """
 
 from __future__ import annotations
