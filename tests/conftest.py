@@ -1,4 +1,5 @@
-"""Hypothesis profiles for tyingspec's own suite: `dev` locally, the derandomized `ci` under CI."""
+"""Hypothesis profiles for tyingspec's own suite (`dev` locally, the derandomized `ci` under CI),
+and the scratch directories the plugin's end-to-end tests run pytest in."""
 
 import contextlib
 import io

@@ -40,17 +40,17 @@ _ALL_PASSING = [(p, k, n) for p in EXPECTED_PROPERTIES for k in ("model", "kerne
                 for n in CORRECT if k in PROPERTIES[p].kinds and REGISTRY[n].adapter(k) is not None]
 
 
-def _passing() -> list[object]:
-    """Each (property, kind) with one correct style in the default tier, the styles taken in
-    turn so that every style runs there; the rest of the cross product in the slow tier."""
+def _default_passing() -> set[tuple[str, str, str]]:
+    """Each (property, kind) with one correct style, the styles taken in turn so that every
+    style runs: the default tier's share of the cross product (the slow tier runs it all)."""
     pairs = list(dict.fromkeys((p, k) for p, k, _ in _ALL_PASSING))
     styles = {pair: [n for p, k, n in _ALL_PASSING if (p, k) == pair] for pair in pairs}
-    default = {(*pair, styles[pair][i % len(styles[pair])]) for i, pair in enumerate(pairs)}
-    return [c if c in default else pytest.param(*c, marks=pytest.mark.slow)
-            for c in _ALL_PASSING]
+    return {(*pair, styles[pair][i % len(styles[pair])]) for i, pair in enumerate(pairs)}
 
 
-PASSING = _passing()
+DEFAULT_PASSING = _default_passing()
+PASSING = [c if c in DEFAULT_PASSING else pytest.param(*c, marks=pytest.mark.slow)
+           for c in _ALL_PASSING]
 
 # The mutant each property is built to catch, and the diagnosis its failure must carry.
 TARGETS: list[tuple[str, str, str, set[str]]] = [
@@ -113,6 +113,11 @@ def test_the_kind_table_lists_registered_properties_once_each() -> None:
         assert set(table.properties) <= set(PROPERTIES), set(table.properties) - set(PROPERTIES)
         assert [p.name for p in for_kind(kind)] == list(table.properties)
     assert {p for t in KINDS.values() for p in t.properties} == set(PROPERTIES)
+
+
+def test_the_default_tier_runs_every_property_kind_and_correct_style() -> None:
+    assert {(p, k) for p, k, _ in DEFAULT_PASSING} == {(p, k) for p, k, _ in _ALL_PASSING}
+    assert {n for _, _, n in DEFAULT_PASSING} == set(CORRECT)
 
 
 @pytest.mark.parametrize("prop,kind,name", PASSING, ids=lambda v: str(v))
