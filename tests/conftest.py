@@ -40,8 +40,9 @@ class Scratch:
     Unlike ``pytester.runpytest_inprocess`` it keeps the modules a run imported (pytester drops
     them, and a later import then loads a second copy: numpy >= 2.3 and Rust extensions refuse
     to load twice).  Only the scratch directory's own modules and ``sys.path`` are undone.
-    The run goes without pytest's unraisable-exception plugin, whose five ``gc.collect()`` at
-    the end of a session cost ~0.8 s over this process's heap (torch, transformers, sympy)."""
+    The run goes without pytest's cache (nothing of it outlives the scratch directory) and
+    without its unraisable-exception plugin, whose five ``gc.collect()`` at the end of a
+    session cost ~0.8 s over this process's heap (torch, transformers, sympy)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -60,7 +61,8 @@ class Scratch:
         try:
             with contextlib.chdir(self.path), contextlib.redirect_stdout(out), \
                     contextlib.redirect_stderr(err):
-                ret = pytest.main(["-p", "no:unraisableexception", *args])
+                ret = pytest.main(["-p", "no:cacheprovider", "-p", "no:unraisableexception",
+                                   *args])
         finally:
             sys.path[:] = path
             for name in set(sys.modules) - modules:

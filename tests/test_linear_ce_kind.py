@@ -117,12 +117,11 @@ def test_the_kernel_property_names_the_bug(name: str) -> None:
     PROPERTIES["ce_kernel_outputs"].check(load("ce-numpy", "linear-ce"), case)
 
 
-@pytest.mark.parametrize("adapter,code,label", [
-    ("ce-numpy", 0, None), ("ce-z-loss-missing", 1, "z_loss_missing")])
-def test_the_plugin_runs_the_linear_ce_properties(scratch: Scratch, adapter: str,
-                                                  code: int, label: str | None) -> None:
-    run = scratch.runpytest("-p", "no:cacheprovider", f"--tyingspec-adapter={adapter}",
-                                       "--tyingspec-kind=linear-ce")
+@pytest.mark.parametrize("adapter,code,label", [("ce-numpy", 0, None),
+                                                ("ce-z-loss-missing", 1, "z_loss_missing")])
+def test_the_plugin_runs_the_linear_ce_properties(scratch: Scratch, adapter: str, code: int,
+                                                  label: str | None) -> None:
+    run = scratch.runpytest(f"--tyingspec-adapter={adapter}", "--tyingspec-kind=linear-ce")
     out = run.stdout.str()
     assert run.ret == code, out[-3000:]
     assert "ce_kernel_outputs" in out
@@ -138,17 +137,14 @@ def test_bfloat16_inputs_reach_a_torch_kernel_and_are_judged_at_bfloat16() -> No
 
 
 def test_the_plugin_draws_only_the_options_a_kernel_declares(scratch: Scratch) -> None:
-    (scratch.path / "kern.py").write_text(UNSUPPORTED)
-    (scratch.path / "plain.py").write_text(textwrap.dedent("""
+    scratch.makepyfile(kern=UNSUPPORTED, plain="""
         from tyingspec._linear_ce_zoo import ce_numpy
         def no_options(h, E, targets, b=None, *, grad_output=None):
             return ce_numpy(h, E, targets, b, grad_output=grad_output)
-    """))
+    """)
     for adapter in ("kern:no_softcap", "plain:no_options"):
-        run = scratch.runpytest("-p", "no:cacheprovider",
-                                           f"--tyingspec-adapter={adapter}",
-                                           "--tyingspec-kind=linear-ce",
-                                           "--hypothesis-show-statistics")
+        run = scratch.runpytest(f"--tyingspec-adapter={adapter}", "--tyingspec-kind=linear-ce",
+                                "--hypothesis-show-statistics")
         out = run.stdout.str()
         # a kernel with few options is still checked on every example, not filtered away
         assert run.ret == 0, out[-3000:]

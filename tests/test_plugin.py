@@ -59,7 +59,7 @@ def repo(scratch: Scratch) -> Scratch:
 
 def run(repo: Scratch, *args: str) -> pytest.RunResult:
     # pytest's own main() with the plugin loaded from its entry point, as in a user's run
-    return repo.runpytest("-p", "xdist", "-p", "no:cacheprovider", *args)
+    return repo.runpytest("-p", "xdist", *args)
 
 
 def kernel_properties() -> int:

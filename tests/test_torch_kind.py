@@ -160,15 +160,14 @@ def test_padding_idx_is_honoured_not_reported() -> None:
         assert o.label == "correct", o.diagnosis.headline()
 
 
-PLUGIN_ADAPTERS = [pytest.param("nanogpt", 0, None),
-                   pytest.param("nanogpt-grad-assigned", 1, "gradient_assigned")]
+PLUGIN_ADAPTERS = [("nanogpt", 0, None), ("nanogpt-grad-assigned", 1, "gradient_assigned")]
 
 
 @pytest.mark.parametrize("adapter,code,label", PLUGIN_ADAPTERS)
 def test_the_plugin_runs_the_torch_properties(scratch: Scratch, adapter: str, code: int,
                                               label: str | None) -> None:
-    run = scratch.runpytest("-p", "no:cacheprovider", f"--tyingspec-adapter={adapter}",
-                            "--tyingspec-kind=torch", "--tyingspec-max-examples=5")
+    run = scratch.runpytest(f"--tyingspec-adapter={adapter}", "--tyingspec-kind=torch",
+                            "--tyingspec-max-examples=5")
     out = run.stdout.str()
     assert run.ret == code, out[-3000:]
     assert "torch_micro_batches_accumulate" in out
