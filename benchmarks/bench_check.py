@@ -6,7 +6,7 @@ Run from the repository root (the targets are ``benchmarks.torch_probe:NAME``)::
     python -m benchmarks.bench_check --V 2000 --d 64 --N 256  # quick
     python benchmarks/bench_check.py --repeats 5 --skip-verdicts
 
-Part 1 (timing), interleaved over ``--repeats`` rounds (A, B, C, S, A, B, C, S, ...):
+Part 1 (timing), interleaved over ``--repeats`` rounds (a, b, c, S, I, F, a, b, ...):
 
 - (a) one forward+backward of ``tied_f32``, called in this process on the float32 batch the
   check's ``absent-tokens`` case builds at that shape (after one untimed warm-up call);
@@ -129,6 +129,11 @@ def timed(f: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def timed_process(argv: list[str]) -> float:
+    """Wall time of a subprocess run from the repository root (which must succeed)."""
+    return timed(lambda: subprocess.run(argv, cwd=REPO, check=True))
+
+
 def spread(xs: Sequence[float]) -> str:
     return (f"min {min(xs):8.3f} s  median {statistics.median(xs):8.3f} s  "
             f"max {max(xs):8.3f} s")
@@ -167,9 +172,8 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
             out.append(r.seconds)
             last[name] = r
         s.append(run_cli(["--help"]).seconds)
-        imp.append(timed(lambda: subprocess.run([sys.executable, "-c", f"import {MODULE}"],
-                                                cwd=REPO, check=True)))
-        fl.append(timed(lambda: subprocess.run(floor_argv(shape), cwd=REPO, check=True)))
+        imp.append(timed_process([sys.executable, "-c", f"import {MODULE}"]))
+        fl.append(timed_process(floor_argv(shape)))
     print(f"== timing: V={V} d={d} N={N}, float32, seed {seed}, {repeats} interleaved rounds, "
           f"torch {torch_version()} with {torch_threads()} threads")
     print("(a) one forward+backward of tied_f32, in process")
