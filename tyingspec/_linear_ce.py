@@ -251,6 +251,14 @@ def linear_ce(
     else:
         chain = s
 
+    bound_coef = np.abs(coef) if variant != "ignored_not_zeroed" else \
+        np.maximum(np.abs(coef), np.abs(unit))
+    if not bound_coef.any():
+        # Every token weighs 0 (all ignored, or grad_output 0): the gradients are exactly 0 and
+        # a correct kernel's softmax x 0 rounds nothing, but a bound of 0 would make any error
+        # an infinite multiple of it.  Bound it as tokens of weight 1/N: ~u of what the
+        # smallest real gradient would be, far below any bug's.
+        bound_coef = np.full(N, one / dt.type(max(N, 1)), dtype=dt)
     dz = np.empty((N, V), dtype=dt)
     per_token = np.zeros(N, dtype=dt)
     dE_terms = np.zeros(V)
@@ -284,8 +292,7 @@ def linear_ce(
         mag = p * np.abs(one + 2 * lam * lse)[:, None]
         mag[r, y_safe[lo:hi]] += abs(target_w)
         mag += abs(eps) / dt.type(V)
-        mag *= np.abs(coef[lo:hi] if variant != "ignored_not_zeroed" else
-                      np.maximum(np.abs(coef[lo:hi]), np.abs(unit[lo:hi])))[:, None]
+        mag *= bound_coef[lo:hi, None]
         mag *= abs(chain)
         softmax_dead = p[ignored[lo:hi]] if variant == "ignored_not_zeroed" else None
         # dl_i/dz_ij = softmax_ij (1 + 2 lam lse_i) - (1 - eps)[j = y_i] - eps / V
