@@ -28,6 +28,10 @@ IGNORE_INDEX = -100
 #: The kernel options, as Liger's constructor names them (plus logit_scale).
 OPTION_NAMES = ("logit_scale", "softcap", "label_smoothing", "lse_square_scale", "ignore_index",
                 "reduction", "ce_weight")
+REDUCTION_VALUES: tuple[str, ...] = ("mean", "sum", "none")
+#: What a kernel declares to be run on a case in a low precision (a torch class does: see
+#: ``tyingspec._linear_ce_adapter.supported``).
+LOW_PRECISIONS = ("dtype=bfloat16", "dtype=float16")
 #: Tokens per chunk when a case ignores a whole chunk (a fused kernel's block is rarely 7).
 CHUNK = 7
 
@@ -44,30 +48,70 @@ def ce_options(text: str) -> dict[str, str]:
 
 
 def needed_options(case: Case) -> set[str]:
-    """The kernel options a case sets (an adapter must support each of them)."""
+    """What a kernel must declare to run a case: each option the case sets (a reduction by
+    its value, ``reduction=sum``; ``none`` also needs ``grad_output``), ``ignore_index`` for
+    ignored tokens, ``bias`` for a case with a bias and ``dtype=bfloat16`` (``float16``) for
+    a case in that precision."""
     opts = ce_options(case.ce)
-    need = {k for k in opts if k in OPTION_NAMES}
+    need = {k for k in opts if k in OPTION_NAMES and k != "reduction"}
+    if "reduction" in opts:
+        need.add(f"reduction={opts['reduction']}")
+        if opts["reduction"] == "none":
+            need.add("grad_output")
     if "ignored" in opts:
         need.add("ignore_index")
+    if case.bias:
+        need.add("bias")
+    if f"dtype={case.dtype}" in LOW_PRECISIONS:
+        need.add(f"dtype={case.dtype}")
     return need
 
 
 def restricted(case: Case, supported: Iterable[str]) -> Case:
-    """``case`` without the settings that need an option the kernel does not declare: what a
-    property draws for such a kernel (its cases range over the options it supports only)."""
+    """``case`` without the settings that need something the kernel does not declare: what a
+    property draws for such a kernel (its cases range over what it supports only; no bias
+    for a kernel without one, float32 for one not run in a low precision)."""
     have = set(supported)
-    kept = [f"{k}={v}" for k, v in ce_options(case.ce).items()
-            if (k not in OPTION_NAMES or k in have) and (k != "ignored" or "ignore_index" in have)]
-    return replace(case, ce=",".join(kept))
+
+    def keep(key: str, value: str) -> bool:
+        if key == "reduction":
+            return f"reduction={value}" in have and (value != "none" or "grad_output" in have)
+        if key == "ignored":
+            return "ignore_index" in have
+        return key not in OPTION_NAMES or key in have
+
+    kept = [f"{k}={v}" for k, v in ce_options(case.ce).items() if keep(k, v)]
+    low = f"dtype={case.dtype}" in LOW_PRECISIONS and f"dtype={case.dtype}" not in have
+    return replace(case, ce=",".join(kept), bias=case.bias and "bias" in have,
+                   dtype="float32" if low else case.dtype)
+
+
+def drawn_ignore_index(case: Case) -> int:
+    """The case's ignore_index: as written (``ignore_index=-100``), a class of the vocabulary
+    (``ignore_index=vocab``, as a pad token id is), or, unset, either, from the case's seed.
+    Drawn so that a kernel that hard-codes -100 is caught; never another negative value, so
+    that every replayed target is in [0, V) or -100 (what ``tyingspec check --targets``
+    takes).  Its own stream: the case's other draws are those of the same case without it."""
+    value = ce_options(case.ce).get("ignore_index")
+    rng = np.random.default_rng([case.seed, 8])
+    if value is None:
+        value = "-100" if rng.random() < 0.5 else "vocab"
+    return int(rng.integers(case.V)) if value == "vocab" else int(value)
 
 
 def with_ce(batch: Batch, case: Case, *, explicit: bool) -> Batch:
-    """The batch's linear-ce draws: ignored targets, class weights, grad_output (their own
-    stream from the case seed, so the other arrays are those of the same case without them)."""
+    """The batch's linear-ce draws: ignored targets (at the drawn ignore_index), class weights,
+    grad_output (their own stream from the case seed, so the other arrays are those of the
+    same case without them).  The batch's ``ce`` carries the ignore_index it was drawn with."""
     opts = ce_options(case.ce)
     rng = np.random.default_rng([case.seed, 7])
     targets = batch.targets
     N, V = targets.shape[0], batch.E.shape[0]
+    ce = case.ce
+    if "ignored" in opts or "ignore_index" in opts:
+        ignore_index = drawn_ignore_index(case)
+        ce = ",".join([f"{k}={v}" for k, v in opts.items() if k != "ignore_index"]
+                      + [f"ignore_index={ignore_index}"])
     if "ignored" in opts and not explicit:
         fraction = float(opts["ignored"])
         targets = targets.copy()
@@ -77,7 +121,7 @@ def with_ce(batch: Batch, case: Case, *, explicit: bool) -> Batch:
             ignored |= rng.random(N) < fraction
         if fraction >= 1:
             ignored[:] = True
-        targets[ignored] = IGNORE_INDEX
+        targets[ignored] = ignore_index
     if opts.get("target") == "same" and not explicit:
         targets = np.full_like(targets, targets[0])
     dt = batch.E.dtype
@@ -85,7 +129,7 @@ def with_ce(batch: Batch, case: Case, *, explicit: bool) -> Batch:
         if "ce_weight" in opts else None
     grad_output = np.asarray(rng.normal(size=N) + 1.5, dtype=dt) \
         if opts.get("reduction") == "none" else None
-    return replace(batch, targets=targets, ce=case.ce, ce_weight=weight,
+    return replace(batch, targets=targets, ce=ce, ce_weight=weight,
                    grad_output=grad_output)
 
 
@@ -97,7 +141,8 @@ def options_of(batch: Batch) -> CEOptions:
         softcap=None if softcap is None else float(softcap),
         label_smoothing=float(opts.get("label_smoothing", 0.0)),
         lse_square_scale=float(opts.get("lse_square_scale", 0.0)),
-        ignore_index=IGNORE_INDEX, reduction=opts.get("reduction", "mean"),
+        ignore_index=int(opts.get("ignore_index", IGNORE_INDEX)),
+        reduction=opts.get("reduction", "mean"),
         ce_weight=None if batch.ce_weight is None else
         tuple(float(w) for w in batch.ce_weight))
 
@@ -112,8 +157,8 @@ def kernel_keywords(batch: Batch) -> dict[str, Any]:
             out[key] = float(opts[key])
     if "reduction" in opts:
         out["reduction"] = opts["reduction"]
-    if "ignored" in opts:
-        out["ignore_index"] = IGNORE_INDEX
+    if "ignore_index" in opts:  # set by with_ce for a case with ignored tokens
+        out["ignore_index"] = int(opts["ignore_index"])
     if batch.ce_weight is not None:
         out["ce_weight"] = batch.ce_weight
     return out
@@ -183,12 +228,38 @@ def complete(batch: Batch, inp: dict[str, Any], precision: str,
                   dE_out=np.asarray(ref.dE, np.float64), dW=np.zeros((0, 0)),
                   db=None if ref.db is None else np.asarray(ref.db, np.float64),
                   per_position=rows_ref.astype(np.float64), tokens=tokens, terms=terms)
-    findings = _kernel_findings(args, dt, ref, ev, returned, precision, h_inf, k)
+    loss = ev["loss"]
+    if _nan_mean_of_nothing(opts, args, ev):
+        loss = ref.loss  # PyTorch's 0/0 (see _nan_mean_of_nothing): judged as the defined 0
+        ev = dict(ev, loss=np.zeros_like(np.asarray(ev["loss"], np.float64)),
+                  nonfinite=[])
+    findings = _kernel_findings(args, dt, ref, ev, returned, precision, k, zmag)
     total = np.asarray(returned.dE, np.float64) + scatter_rows(tokens, rows_ker, V)
     # inf/NaN is the finding's verdict (not_finite); the rows compare as zeros there
     total = np.nan_to_num(total, nan=0.0, posinf=0.0, neginf=0.0)
-    return replace(returned, dE=total, loss=_scalar(ev["loss"], batch.grad_output),
+    return replace(returned, dE=total, loss=_scalar(loss, batch.grad_output),
                    findings=tuple(findings)), paths
+
+
+def _total_weight(args: tuple[Any, ...]) -> float:
+    """sum_i t_i of a call's targets under its options (0: the mean is over nothing)."""
+    _, _, y, _, opts, _ = args
+    y = np.asarray(y)
+    live = y != opts.ignore_index
+    if opts.ce_weight is None:
+        return float(live.sum())
+    w = np.asarray(opts.ce_weight, np.float64)
+    return float(w[np.where(live, y, 0)][live].sum())
+
+
+def _nan_mean_of_nothing(opts: CEOptions, args: tuple[Any, ...], ev: Any) -> bool:
+    """A mean over zero total weight returned as NaN with finite gradients: PyTorch's
+    ``F.cross_entropy`` (0/0), and so transformers' ``ForCausalLMLoss`` and torchtune's
+    chunked loss.  The contract defines 0 (litgpt's max(count, 1) division); either is
+    accepted, the gradients must still be zero."""
+    return (opts.reduction == "mean" and _total_weight(args) == 0
+            and list(ev.get("nonfinite", ())) == ["loss"]
+            and bool(np.all(np.isnan(np.asarray(ev["loss"], np.float64)))))
 
 
 def _reference(args: tuple[Any, ...], dt: str) -> CEResult:
@@ -227,21 +298,29 @@ def _matches(result: CEResult, dh: Array, dE: Array, precision: str, k: float) -
 
 
 def _kernel_findings(args: tuple[Any, ...], dt: str, ref: CEResult, ev: Any,
-                     returned: Returned, precision: str, h_inf: Array, k: float,
+                     returned: Returned, precision: str, k: float, zmag: float,
                      ) -> list[Finding]:
     nonfinite = list(ev.get("nonfinite", ()))
+    arrays = {"loss": ev["loss"], "dh": ev["dh"], "dE": returned.dE, "db": returned.db}
     if nonfinite:
         return [failed(_CHECK, _INVARIANT, "not_finite",
-                       f"{', '.join(nonfinite)} hold inf or NaN; the reference is finite")]
+                       _nonfinite_detail(nonfinite, arrays, args, precision, zmag))]
     dh = np.asarray(ev["dh"], np.float64)
     dE = np.asarray(returned.dE, np.float64)
     ok_dh, ok_dE = _matches(ref, dh, dE, precision, k)
     ok_db = True
+    db_detail = ""
     if ref.db is not None and returned.db is not None:
         tol = value_tolerance(Terms(rows=ref.dE_terms, k=k), precision,  # type: ignore[arg-type]
                               ref.db_terms)
-        ok_db = bool(np.all(np.abs(np.asarray(returned.db, np.float64) - ref.db)
-                            <= np.asarray(tol.atol) + tol.rtol * np.abs(ref.db)))
+        got_db = np.asarray(returned.db, np.float64)
+        bad = np.abs(got_db - ref.db) > np.asarray(tol.atol) + tol.rtol * np.abs(ref.db)
+        ok_db = not bool(bad.any())
+        if not ok_db:
+            worst = int(np.argmax(np.where(bad, np.abs(got_db - ref.db), -1.0)))
+            db_detail = (f"entries of db wrong: {_entries(np.flatnonzero(bad))} ({int(bad.sum())} "
+                         f"of {bad.size}); entry {worst} is {got_db[worst]:.6g}, the reference "
+                         f"{float(ref.db[worst]):.6g}")
     loss = np.asarray(ev["loss"], np.float64)
     ref_loss = np.asarray(ref.loss, np.float64)
     loss_tol = value_tolerance(Terms(rows=ref.dE_terms, k=k), precision,  # type: ignore[arg-type]
@@ -250,26 +329,31 @@ def _kernel_findings(args: tuple[Any, ...], dt: str, ref: CEResult, ev: Any,
         np.abs(loss - ref_loss) <= np.asarray(loss_tol.atol) + loss_tol.rtol * np.abs(ref_loss)))
     if ok_dh and ok_dE and ok_db and ok_loss:
         return [passed(_CHECK, _INVARIANT)]
+    hard = _hard_coded_ignore_index(args, dt, dh, dE, precision, k)
+    if hard is not None:
+        return [hard]
     if not (ok_dh and ok_dE):
         for name, (label, why) in VARIANTS.items():
             try:
                 wrong = linear_ce(*args, variant=name, dtype=dt)
             except ValueError:
                 continue
+            # the bug must show on this batch: its outputs fail the reference's own bound (the
+            # test the kernel failed; the variant's bound can be wider, e.g. with ignored rows)
             if all(_matches(wrong, dh, dE, precision, k)) and not all(
-                    _matches(wrong, np.asarray(ref.dh, np.float64),
-                             np.asarray(ref.dE, np.float64), precision, k)):
+                    _matches(ref, np.asarray(wrong.dh, np.float64),
+                             np.asarray(wrong.dE, np.float64), precision, k)):
                 return [failed(_CHECK, _INVARIANT, _label(label),
                                f"dh and dE match the known bug: {why}")]
     if ok_dh and not ok_dE:
         return [failed(_CHECK, _INVARIANT, "dE_wrong_dh_right",
-                       f"rows of dE wrong: {_rows(dE, ref.dE)}")]
+                       _overwritten_blocks(args, dt, ref, dE, precision, k)
+                       or f"rows of dE wrong: {_rows(dE, ref.dE)}")]
     if ok_dE and not ok_dh:
         return [failed(_CHECK, _INVARIANT, "dh_wrong_dE_right",
                        f"tokens whose dh is wrong: {_rows(dh, ref.dh)}")]
     if ok_dh and ok_dE and not ok_db:
-        return [failed(_CHECK, _INVARIANT, "bias_gradient_wrong",
-                       "db differs from the reference's")]
+        return [failed(_CHECK, _INVARIANT, "bias_gradient_wrong", db_detail)]
     if ok_dh and ok_dE:
         return [failed(_CHECK, _INVARIANT, "forward_mismatch",
                        f"the loss differs: {float(loss.sum()):.6g} against "
@@ -278,36 +362,137 @@ def _kernel_findings(args: tuple[Any, ...], dt: str, ref: CEResult, ev: Any,
                    "dh and dE are both wrong and match no known bug")]
 
 
+def _nonfinite_detail(names: list[str], arrays: dict[str, Any], args: tuple[Any, ...],
+                      precision: str, zmag: float) -> str:
+    """Which outputs hold NaN or inf (how many entries, the first tokens or rows), and the
+    cause that fits what is finite: a logsumexp overflow only where the logits reach it."""
+    parts = []
+    for name in names:
+        a = np.asarray(arrays[name], np.float64)
+        nan, inf = np.isnan(a), np.isinf(a)
+        kinds = " and ".join(w for w, m in (("NaN", nan), ("inf", inf)) if m.any())
+        where = ""
+        if a.ndim == 2:
+            rows = np.flatnonzero((nan | inf).any(axis=1))
+            where = f" ({'tokens' if name == 'dh' else 'rows'} {_entries(rows)})"
+        elif a.ndim == 1 and a.size > 1:
+            where = f" (entries {_entries(np.flatnonzero(nan | inf))})"
+        parts.append(f"{name} holds {kinds} in {int((nan | inf).sum())} of {a.size} "
+                     f"entr{'y' if a.size == 1 else 'ies'}{where}")
+    text = "; ".join(parts) + "; the reference is finite"
+    grads = [n for n in names if n != "loss"]
+    if "loss" not in names:
+        text += f". The loss is finite: the backward made the non-finite {', '.join(grads)}"
+    opts = args[4]
+    if opts.reduction == "mean" and _total_weight(args) == 0:
+        text += (". Every token is ignored (or weighs 0): a mean over nothing is 0 (litgpt's "
+                 "max(count, 1)) or, PyTorch's 0/0, a NaN loss with zero gradients")
+    # exp overflows past ~88 (float32 and below) or ~709 (float64) without the max shift
+    if zmag > (709.0 if precision == "float64" else 88.0):
+        text += (f". The logits reach |z| ~ {zmag:.3g}: a logsumexp or softmax without the max "
+                 "shift overflows there")
+    return text
+
+
+def _hard_coded_ignore_index(args: tuple[Any, ...], dt: str, dh: Array, dE: Array,
+                             precision: str, k: float) -> Finding | None:
+    """The kernel's dh and dE are the contract's with ignore_index -100 while the case drew
+    another: it treats the drawn ignore_index as a class (ignore_index hard-coded)."""
+    h, E, y, b, opts, go = args
+    drawn = opts.ignore_index
+    if drawn == IGNORE_INDEX or not np.any(np.asarray(y) == drawn):
+        return None
+    fixed = replace(opts, ignore_index=IGNORE_INDEX)
+    try:
+        wrong = linear_ce(h, E, y, b, fixed, go, dtype=dt)
+    except ValueError:  # a drawn ignore_index outside [0, V) would not be a class
+        return None
+    if not all(_matches(wrong, dh, dE, precision, k)):
+        return None
+    return failed(_CHECK, _INVARIANT, "ignored_not_zeroed",
+                  f"dh and dE are the contract's with ignore_index={IGNORE_INDEX}, not the "
+                  f"case's {drawn}: the kernel trains on the tokens whose target is {drawn} "
+                  f"(tokens {_entries(np.flatnonzero(np.asarray(y) == drawn))}) as if "
+                  f"{drawn} were a class; its ignore_index is hard-coded")
+
+
+#: Block sizes of real kernels (Liger, torchtune, litgpt chunks, CCE tiles) tried when dE is
+#: wrong and dh right: is dE one block's contribution alone?
+BLOCK_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _overwritten_blocks(args: tuple[Any, ...], dt: str, ref: CEResult, dE: Array,
+                        precision: str, k: float) -> str:
+    """'' or the block size B for which the kernel's dE is the last block's contribution
+    alone: each block assigned ``dE = block_dE`` where ``dE += block_dE`` was meant."""
+    h = np.asarray(args[0], dtype=dt)
+    N = h.shape[0]
+    tol = row_tolerance(Terms(rows=ref.dE_terms, k=k), precision)  # type: ignore[arg-type]
+    for B in BLOCK_SIZES:
+        if B >= N:
+            break
+        last = B * ((N - 1) // B)
+        alone = np.asarray(ref.dz[last:].T @ h[last:], np.float64)
+        if bool(tol.close(dE, alone).all()):
+            return (f"dE is the contribution of tokens [{last}, {N}) alone, the last block of "
+                    f"{B}: each block of {B} tokens overwrote dE (`dE = block_dE` where "
+                    f"`dE += block_dE` was meant); right whenever N <= {B}")
+    return ""
+
+
 def _label(name: str) -> Label:
     return name  # type: ignore[return-value]
+
+
+def _entries(idx: Any, limit: int = 8) -> str:
+    idx = [int(i) for i in idx]
+    return "[" + ", ".join(map(str, idx[:limit])) + (", ..." if len(idx) > limit else "") + "]"
 
 
 def _rows(a: Array, e: Array, limit: int = 8) -> str:
     diff = np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64)).max(axis=1)
     scale = np.abs(np.asarray(e, np.float64)).max(initial=0.0)
-    bad = np.flatnonzero(diff > 1e-6 * (scale + 1e-300))
-    return "[" + ", ".join(map(str, bad[:limit])) + (", ..." if len(bad) > limit else "") + "]"
+    return _entries(np.flatnonzero(diff > 1e-6 * (scale + 1e-300)), limit)
+
+
+#: Tokens in the long case: 4096 + 2048 + 1024 + 512 + 256 + 128 + 37, past two blocks of
+#: every common size up to 4096, each of which (and 7) leaves a partial last block starting
+#: at a token of its own, so a dE that is one block's alone names its block size.  With V and
+#: d small it costs milliseconds of reference.
+LONG_N = 8101
 
 
 def standard_ce_cases(seed: int) -> list[Case]:
     """The seeded set ``tyingspec check --kind linear-ce`` runs: each option, and the shapes
     that break chunked kernels (N and V not multiples of a block, an all-ignored chunk, every
-    token ignored, one target everywhere, logits near 1e4 in float32)."""
-    base = dict(V=37, d=6, N=23, composition="repeats", distinct=9, e_scale=0.5)
+    token ignored, one target everywhere, logits near 1e4 in float32, N past two blocks of
+    2048, inputs in bfloat16).
+
+    Without a bias, as most real kernels are (cut-cross-entropy, torchtune, litgpt); ``ce-bias``
+    has one (with ignored tokens, whose db a kernel may forget to mask).  ``ce-ignore-index``
+    ignores a class of the vocabulary (a pad token id) instead of -100."""
+    base = dict(V=37, d=6, N=23, composition="repeats", distinct=9, e_scale=0.5, bias=False)
     specs: list[tuple[str, dict[str, Any]]] = [
         ("ce-plain", {}),
+        ("ce-bias", {"bias": True, "ce": "ignored=0.3,ignore_index=-100"}),
         ("ce-logit-scale", {"ce": "logit_scale=0.0625", "e_scale": 2.0}),
         ("ce-softcap", {"ce": "softcap=2.0", "e_scale": 1.2}),
         ("ce-label-smoothing", {"ce": "label_smoothing=0.1"}),
         ("ce-z-loss", {"ce": "lse_square_scale=0.01"}),
-        ("ce-ignored", {"ce": "ignored=0.3"}),
-        ("ce-all-ignored", {"ce": "ignored=1"}),
+        ("ce-ignored", {"ce": "ignored=0.3,ignore_index=-100"}),
+        ("ce-ignore-index", {"ce": "ignored=0.3,ignore_index=vocab"}),
+        ("ce-all-ignored", {"ce": "ignored=1,ignore_index=-100"}),
         ("ce-class-weights", {"ce": "ce_weight=drawn"}),
         ("ce-sum", {"ce": "reduction=sum"}),
         ("ce-none", {"ce": "reduction=none"}),
         ("ce-one-target", {"ce": "target=same"}),
         # h = x + tanh(x W) ~ E's rows, so logits ~ d * 40^2 ~ 1e4
         ("ce-large-logits", {"ce": "logits=1e4", "dtype": "float32", "e_scale": 40.0}),
+        # a kernel right up to one block (`dE = block_dE` for `+=`) is wrong only past it
+        ("ce-long", {"N": LONG_N, "V": 11, "d": 4, "composition": "random",
+                     "distinct": None}),
+        # a kernel's half-precision branch is its own code: reached only by such inputs
+        ("ce-bfloat16", {"ce": "ignored=0.3,ignore_index=-100", "dtype": "bfloat16"}),
     ]
     return [Case(name=name, seed=case_seed(seed, name), **(base | kw))  # type: ignore[arg-type]
             for name, kw in specs]
