@@ -210,8 +210,13 @@ def run_torch(factory: Any, batch: Batch, opts: dict[str, Any], *,
     else:
         assert loss.shape == ()
         loss.backward()
-    return {"loss": loss.detach().numpy(), "dh": h.grad.numpy(), "dE": E.grad.numpy(),
-            "db": None if b is None else b.grad.numpy()}
+    def out(t: Tensor) -> np.ndarray:
+        # numpy has no bfloat16: half-precision results are read as float64 (exactly)
+        t = t.detach()
+        return (t.double() if dtype in (torch.bfloat16, torch.float16) else t).numpy()
+
+    return {"loss": out(loss), "dh": out(h.grad), "dE": out(E.grad),
+            "db": None if b is None else out(b.grad)}
 
 
 def close(actual: dict[str, Any], expected: dict[str, Any], *, keys: tuple[str, ...] = (
@@ -365,7 +370,7 @@ ALL_ON: dict[str, Any] = {"logit_scale": 0.5, "softcap": 3.0, "label_smoothing":
 def test_catalogue() -> None:
     assert {n for n, b in LINEAR_CE_BUILTINS.items() if b.expected == "correct"} == {
         "ce-numpy", "ce-torch"}
-    assert len(MUTANTS) == 13
+    assert len(MUTANTS) == 16
     numpy_params = list(inspect.signature(ce_numpy).parameters)
     torch_params = list(inspect.signature(ce_torch).parameters)
     assert numpy_params == ["h", "E", "targets", "b", "grad_output", *sorted(
@@ -376,7 +381,8 @@ def test_catalogue() -> None:
         assert b.name == name and b.attr == name.replace("-", "_")
         assert (b.breaks is None) == (b.expected == "correct")
         assert b.description and getattr(zoo, b.attr).__doc__
-        assert set(b.exposes) <= {*OPTIONS, "ignored_fraction", "bias", "logit_magnitude"}
+        assert set(b.exposes) <= {*OPTIONS, "ignored_fraction", "bias", "logit_magnitude",
+                                  "tokens", "dtype"}
         params = inspect.signature(builtin_target(name)).parameters
         # every mutant supports every option, so a checker may try the one that exposes it
         assert list(params) == (numpy_params if b.form == "numpy" else torch_params), name
@@ -569,5 +575,90 @@ def test_every_mutant_is_tested() -> None:
     tested = {"ce-scale-dropped", "ce-scale-twice", "ce-torch-scale-dropped",
               "ce-softcap-derivative-missing", "ce-smoothing-misweighted", "ce-z-loss-missing",
               "ce-ignored-counted", "ce-ignored-not-zeroed", "ce-grad-output-first",
-              "ce-dE-wrong", "ce-dh-wrong", "ce-bias-grad-wrong", "ce-overflow"}
+              "ce-dE-wrong", "ce-dh-wrong", "ce-bias-grad-wrong", "ce-overflow",
+              "ce-block-overwritten", "ce-torch-half-unmasked", "ce-ignore-index-hard-coded"}
     assert tested == set(MUTANTS)
+
+
+def test_block_overwritten() -> None:
+    """Right up to one block of BLOCK tokens; past it dE is the last block's alone."""
+    b = LINEAR_CE_BUILTINS["ce-block-overwritten"]
+    assert zoo.BLOCK == 1024 and b.exposes["tokens"] > 2 * zoo.BLOCK
+    for N in (17, zoo.BLOCK):
+        batch = make_batch(N, 9, 4, seed=10, ignored=[1, 5])
+        opts = ALL_ON | {"ce_weight": batch.w}
+        close(run(b.name, batch, opts), correct("numpy", batch, opts))
+    for N in (zoo.BLOCK + 1, 2 * zoo.BLOCK + 453):
+        batch = make_batch(N, 9, 4, seed=11, ignored=list(range(0, N, 5)))
+        for opts in ({}, ALL_ON | {"reduction": "none"}):
+            good, bad = correct("numpy", batch, opts), run(b.name, batch, opts)
+            close(bad, good, keys=("loss", "dh", "db"))
+            G = reference(batch, opts)["G"]
+            last = zoo.BLOCK * ((N - 1) // zoo.BLOCK)
+            np.testing.assert_allclose(bad["dE"], G[last:].T @ batch.h[last:], rtol=RTOL64,
+                                       atol=ATOL64)
+            far(bad["dE"], good["dE"])
+
+
+def test_the_correct_kernels_are_right_past_several_blocks() -> None:
+    """The block walk (numpy) and the growing chunks (torch) change no result."""
+    batch = make_batch(3 * zoo.BLOCK + 77, 7, 3, seed=12, ignored=list(range(0, 3149, 3)))
+    assert zoo.chunk_rows(batch.N) > CHUNK
+    for opts in ({}, ALL_ON | {"ce_weight": batch.w, "reduction": "none"}):
+        ref = reference(batch, opts)
+        close(run_numpy(ce_numpy, batch, opts), ref)
+        close(run_torch(ce_torch, batch, opts), ref)
+
+
+def test_half_unmasked() -> None:
+    """Right in float64 and float32; in bfloat16 (and float16) ignored tokens' softmax enters
+    the gradients, as the ignored_not_zeroed slip does, the loss untouched."""
+    b = LINEAR_CE_BUILTINS["ce-torch-half-unmasked"]
+    assert b.form == "torch" and b.exposes["dtype"] == "bfloat16"
+    batch = exposes_batch(b.exposes)
+    for opts in (exposes_opts(b.exposes), ALL_ON | {"reduction": "sum"}):
+        close(run(b.name, batch, opts), correct("torch", batch, opts))
+        close(run(b.name, batch, opts, dtype=torch.float32),
+              correct("torch", batch, opts, dtype=torch.float32), rtol=RTOL32, atol=ATOL32)
+        # bfloat16 inputs: the result is that of the slip on the bf16-rounded batch, within
+        # bf16's rounding (u = 2^-8) of the entries' scale
+        rounded = replace(batch, h=torch.tensor(batch.h).bfloat16().double().numpy(),
+                          E=torch.tensor(batch.E).bfloat16().double().numpy(),
+                          b=torch.tensor(batch.b).bfloat16().double().numpy())
+        for dtype in (torch.bfloat16, torch.float16):
+            bad = run(b.name, batch, opts, dtype=dtype)
+            good = correct("torch", batch, opts, dtype=dtype)
+            slip = reference(rounded, opts, variant="ignored_not_zeroed")
+            right = reference(rounded, opts)
+            for k in ("dh", "dE", "db"):
+                scale = float(np.abs(right[k]).max())
+                got = np.asarray(bad[k], np.float64)
+                np.testing.assert_allclose(got, slip[k], rtol=0.05, atol=0.03 * scale,
+                                           err_msg=k)
+                np.testing.assert_allclose(np.asarray(good[k], np.float64), right[k],
+                                           rtol=0.05, atol=0.03 * scale, err_msg=k)
+                far(got, right[k])
+            np.testing.assert_allclose(np.asarray(bad["loss"], np.float64),
+                                       np.asarray(good["loss"], np.float64), rtol=1e-2,
+                                       atol=1e-2)
+
+
+def test_ignore_index_hard_coded() -> None:
+    """Right at ignore_index -100; at another it trains on the tokens ignored at that one as
+    if it were a class: the contract's result with ignore_index -100."""
+    b = LINEAR_CE_BUILTINS["ce-ignore-index-hard-coded"]
+    ii = b.exposes["ignore_index"]
+    assert ii == 5
+    batch = exposes_batch({"ignored_fraction": _IGNORED_FRACTION})
+    opts = ALL_ON | {"ce_weight": batch.w}
+    close(run(b.name, batch, opts), correct("numpy", batch, opts))
+    at5 = replace(batch, y=np.where(batch.y == -100, ii, batch.y), ignore_index=ii)
+    as_class = replace(at5, ignore_index=-100)
+    for opts in (exposes_opts(b.exposes), ALL_ON | {"reduction": "none"}):
+        opts = {k: v for k, v in opts.items() if k != "ignore_index"}
+        bad = run(b.name, at5, opts)
+        close(bad, correct("numpy", as_class, opts))
+        far(bad["dh"], correct("numpy", at5, opts)["dh"])
+
+
+_IGNORED_FRACTION = 0.25

@@ -32,7 +32,10 @@ logit_scale)`` then ``loss_fn(lin_weight, _input, target, bias=None)``, with the
 read through autograd.
 
 Every implementation here chunks over ``N`` with :data:`CHUNK` = 7 rows, deliberately not a
-power of two, so that the last chunk is usually partial, as it is in a real kernel.  The
+power of two, so that the last chunk is usually partial, as it is in a real kernel.  The numpy
+form walks blocks of :data:`BLOCK` = 1024 tokens (a real kernel's block or chunk), summing each
+block's dE before adding it to the total, so that a kernel right only up to one block has its
+line to break.  Chunks grow past :data:`MAX_CHUNKS` of them (see :func:`chunk_rows`).  The
 mutants are the correct numpy code (or the correct torch module) with one flag switched on, so
 that each differs from the correct one in exactly the line its bug names; :data:`LINEAR_CE_BUILTINS`
 records each one's expected diagnosis label and the case (``exposes``) on which it shows.
@@ -60,11 +63,24 @@ __all__ = ["CHUNK", "LINEAR_CE_BUILTINS", "LinearCEBuiltin", "LinearCEFunction",
            "ce_dE_wrong", "ce_dh_wrong", "ce_grad_output_first", "ce_ignored_counted",
            "ce_ignored_not_zeroed", "ce_numpy", "ce_overflow", "ce_scale_dropped",
            "ce_scale_twice", "ce_smoothing_misweighted", "ce_softcap_derivative_missing",
-           "ce_torch", "ce_torch_scale_dropped", "ce_z_loss_missing"]
+           "ce_torch", "ce_torch_scale_dropped", "ce_z_loss_missing", "BLOCK",
+           "ce_block_overwritten", "ce_ignore_index_hard_coded", "ce_torch_half_unmasked",
+           "chunk_rows"]
 
 #: Rows per chunk.  Not a power of two, so N and V in tests and checks are rarely multiples of
 #: it and the partial last chunk (where kernels slip) is exercised.
 CHUNK = 7
+#: Tokens per block of the numpy form's grid (a real kernel's block, or a chunk of Liger's or
+#: torchtune's): dE is summed per block, then across blocks.
+BLOCK = 1024
+#: Chunks grow past this many (each costs Python and, in torch, autograd nodes: 1158 chunks
+#: of 7 at N = 8101 cost seconds), staying a size of their own, rarely a power of two.
+MAX_CHUNKS = 64
+
+
+def chunk_rows(N: int) -> int:
+    """Rows per chunk for N tokens: CHUNK, or N / MAX_CHUNKS rounded up past 64 chunks."""
+    return max(CHUNK, -(-N // MAX_CHUNKS))
 
 Array = npt.NDArray[Any]
 Reduction = Literal["mean", "sum", "none"]
@@ -72,7 +88,8 @@ Reduction = Literal["mean", "sum", "none"]
 # The one deviation a numpy mutant makes; None is the correct code.
 _Bug = Literal["scale_dropped", "scale_twice", "softcap_derivative_missing",
                "smoothing_misweighted", "z_loss_missing", "ignored_counted",
-               "ignored_not_zeroed", "dE_wrong", "dh_wrong", "bias_grad_wrong", "overflow"]
+               "ignored_not_zeroed", "dE_wrong", "dh_wrong", "bias_grad_wrong", "overflow",
+               "block_overwritten", "ignore_index_hard_coded"]
 
 
 class LinearCEResult(TypedDict):
@@ -113,10 +130,11 @@ class LinearCEBuiltin:
     """One built-in linear-ce implementation: what it breaks, the label a check must reach.
 
     ``exposes`` holds the options of a case on which the bug shows (keyword arguments of the
-    forms, e.g. ``{"logit_scale": 0.0625}``), plus, where the bug needs them, three keys about
-    the batch rather than the options: ``"ignored_fraction"`` (the fraction of tokens whose
-    target is ``ignore_index``), ``"bias"`` (True: pass ``b``) and ``"logit_magnitude"`` (the
-    size of the logits ``|h @ E.T|`` the case must reach).  Empty when any case shows it.
+    forms, e.g. ``{"logit_scale": 0.0625}``), plus, where the bug needs them, keys about the
+    batch rather than the options: ``"ignored_fraction"`` (the fraction of tokens whose target
+    is ``ignore_index``), ``"bias"`` (True: pass ``b``), ``"logit_magnitude"`` (the size of the
+    logits ``|h @ E.T|`` the case must reach), ``"tokens"`` (the N it needs) and ``"dtype"``
+    (the inputs' dtype).  Empty when any case shows it.
     """
 
     name: str  # e.g. "ce-numpy", "ce-scale-dropped"
@@ -155,6 +173,8 @@ def _linear_ce_body(h: Array, E: Array, targets: Array, b: Array | None, *,
     dtype = np.result_type(h, E)
     if dtype not in (np.float32, np.float64):
         raise TypeError(f"h and E must be float32 or float64, not {dtype}")
+    if bug == "ignore_index_hard_coded":
+        ignore_index = -100  # the slip: the declared ignore_index is taken and never used
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
     h = np.asarray(h, dtype)
@@ -203,11 +223,20 @@ def _linear_ce_body(h: Array, E: Array, targets: Array, b: Array | None, *,
     tl = np.zeros(N, dtype)  # t_i l_i
     # dE_wrong reads the logits' gradient from a chunk-sized buffer that the last chunk has
     # not yet written (zeros when there is no previous chunk)
-    buffer = np.zeros((CHUNK, V), dtype)
-    last_start = CHUNK * ((N - 1) // CHUNK) if N else -1
+    step = chunk_rows(N)
+    buffer = np.zeros((step, V), dtype)
+    # a real kernel's grid: blocks of BLOCK tokens, each walked in chunks of `step` rows, its
+    # dE summed into the block's own buffer and then into dE (the same chunks as one walk
+    # below BLOCK tokens)
+    starts = [(block, start) for block in range(0, N, BLOCK)
+              for start in range(block, min(block + BLOCK, N), step)]
+    last_start = starts[-1][1] if starts else -1
+    block_dE = np.zeros((V, d), dtype)
 
-    for start in range(0, N, CHUNK):
-        rows = slice(start, min(start + CHUNK, N))
+    for block, start in starts:
+        if start == block:
+            block_dE[:] = 0
+        rows = slice(start, min(start + step, N, block + BLOCK))
         n = rows.stop - start
         idx = np.arange(n)
         hr, yr = h[rows], y_safe[rows]
@@ -265,7 +294,12 @@ def _linear_ce_body(h: Array, E: Array, targets: Array, b: Array | None, *,
             # (dh_wrong: the last chunk's dh is never written and stays zero)
             dh[rows] = g @ E
         g_for_dE = buffer[:n] if bug == "dE_wrong" and start == last_start else g
-        dE += g_for_dE.T @ hr
+        block_dE += g_for_dE.T @ hr
+        if rows.stop == min(block + BLOCK, N):  # the block's last chunk
+            if bug == "block_overwritten":
+                dE = block_dE.copy()  # the slip: `dE = block_dE` where `dE += block_dE` was meant
+            else:
+                dE += block_dE
         if bug == "dE_wrong":
             buffer[:n] = g  # (after the read above: buffer[:n] is a view)
         if db is not None:
@@ -360,6 +394,14 @@ ce_bias_grad_wrong = _numpy_mutant(
     "bias_grad_wrong", "ce_bias_grad_wrong",
     "Broken: db sums every row's logit gradient without its token weight t_i, ignored rows "
     "included; dh, dE and the loss are right.")
+ce_block_overwritten = _numpy_mutant(
+    "block_overwritten", "ce_block_overwritten",
+    "Broken: each block of BLOCK = 1024 tokens assigns dE = block_dE where dE += block_dE was "
+    "meant, so dE is the last block's contribution alone; right whenever N <= 1024.")
+ce_ignore_index_hard_coded = _numpy_mutant(
+    "ignore_index_hard_coded", "ce_ignore_index_hard_coded",
+    "Broken: declares ignore_index but ignores the targets equal to -100 whatever it is given; "
+    "right whenever ignore_index is -100.")
 ce_overflow = _numpy_mutant(
     "overflow", "ce_overflow",
     "Broken: logsumexp and softmax as a naive exp without the max shift: inf/nan once |logit| "
@@ -367,6 +409,7 @@ ce_overflow = _numpy_mutant(
 
 
 # --- the torch form --------------------------------------------------------------------------
+
 # The classes are built on first use so that importing this module does not import torch.
 
 @functools.cache
@@ -376,8 +419,9 @@ def _torch_classes() -> dict[str, type[nn.Module]]:
 
     class ChunkedLinearCE(nn.Module):
         # The correct torch form: chunks of CHUNK rows, one chunk's logits at a time, plain
-        # autograd inside.  `scale_in_graph` is the mutants' switch.
+        # autograd inside.  `scale_in_graph` and `half_unmasked` are the mutants' switches.
         scale_in_graph = True
+        half_unmasked = False
 
         def __init__(self, ignore_index: int = -100, lse_square_scale: float = 0.0,
                      label_smoothing: float = 0.0, reduction: Reduction = "mean",
@@ -425,15 +469,23 @@ def _torch_classes() -> dict[str, type[nn.Module]]:
             eps, lam = self.label_smoothing, self.lse_square_scale
             zy = z.gather(1, y[:, None])[:, 0]
             loss = lse - (1 - eps) * zy - eps * z.mean(dim=-1) + lam * lse * lse
-            return t * loss
+            tl = t * loss
+            if self.half_unmasked and u.dtype in (torch.bfloat16, torch.float16):
+                # the slip, in the half-precision branch only (float32 and float64 are right):
+                # the weight-0 (ignored) rows' lse reaches the backward with weight 1, its value
+                # masked out (Liger #968's shape); zero in value, softmax in gradient
+                dead = torch.where(t == 0, lse, torch.zeros_like(lse))
+                tl = tl + (dead - dead.detach())
+            return tl
 
         def forward(self, lin_weight: Tensor, _input: Tensor, target: Tensor,
                     bias: Tensor | None = None) -> Tensor:
             N, V = _input.shape[0], lin_weight.shape[0]
             t, y, D = self.token_weights(target.reshape(-1), V, _input.dtype)
             parts = []
-            for start in range(0, N, CHUNK):
-                rows = slice(start, start + CHUNK)
+            step = chunk_rows(N)
+            for start in range(0, N, step):
+                rows = slice(start, start + step)
                 u = _input[rows] @ lin_weight.T
                 if bias is not None:
                     u = u + bias
@@ -445,6 +497,9 @@ def _torch_classes() -> dict[str, type[nn.Module]]:
 
     class ScaleDropped(ChunkedLinearCE):
         scale_in_graph = False
+
+    class HalfUnmasked(ChunkedLinearCE):
+        half_unmasked = True
 
     class PrecomputedGrad(torch.autograd.Function):
         # Fused-kernel style: the forward computes the loss and, chunk by chunk, the gradient
@@ -458,8 +513,9 @@ def _torch_classes() -> dict[str, type[nn.Module]]:
             t, y, D = module.token_weights(target.reshape(-1), V, h.dtype)
             G = h.new_zeros(N, V)
             parts = []
-            for start in range(0, N, CHUNK):
-                rows = slice(start, start + CHUNK)
+            step = chunk_rows(N)
+            for start in range(0, N, step):
+                rows = slice(start, start + step)
                 u = h[rows] @ W.T  # grad mode is off in a Function's forward
                 if bias is not None:
                     u = u + bias
@@ -505,6 +561,7 @@ def _torch_classes() -> dict[str, type[nn.Module]]:
         grad_output_first = True
 
     return {"ChunkedLinearCE": ChunkedLinearCE, "ScaleDropped": ScaleDropped,
+            "HalfUnmasked": HalfUnmasked,
             "FusedLinearCE": FusedLinearCE, "GradOutputFirst": GradOutputFirst}
 
 
@@ -533,6 +590,10 @@ ce_torch_scale_dropped = _torch_factory(
     "ScaleDropped", "ce_torch_scale_dropped",
     "Broken torch form: the logits are scaled in place under no_grad, so autograd's gradient "
     "lacks logit_scale (the loss is right).")
+ce_torch_half_unmasked = _torch_factory(
+    "HalfUnmasked", "ce_torch_half_unmasked",
+    "Broken torch form, in its bfloat16/float16 branch only: ignored tokens' lse still reaches "
+    "the backward (their softmax enters dh, dE and db); float32 and float64 are right.")
 ce_grad_output_first = _torch_factory(
     "GradOutputFirst", "ce_grad_output_first",
     "Broken torch form: a custom autograd.Function whose backward scales every row by "
@@ -600,6 +661,18 @@ LINEAR_CE_BUILTINS: dict[str, LinearCEBuiltin] = {b.name: b for b in [
     LinearCEBuiltin("ce-torch-scale-dropped", "ce_torch_scale_dropped", "torch",
                     "logits scaled in place under no_grad: gradients 1/s too large",
                     "logit_scale", "logit_scale_dropped", {"logit_scale": 0.0625}),
+    # a kernel right only up to one block: the standard cases' N = 8101 is past seven of them
+    LinearCEBuiltin("ce-block-overwritten", "ce_block_overwritten", "numpy",
+                    "each block of 1024 tokens overwrites dE (`dE = block_dE`): right to N = 1024",
+                    "dE", "dE_wrong_dh_right", {"tokens": 8101}),
+    LinearCEBuiltin("ce-torch-half-unmasked", "ce_torch_half_unmasked", "torch",
+                    "bfloat16/float16 branch lets ignored tokens' softmax into the gradients",
+                    "ignore_index", "ignored_not_zeroed",
+                    {"ignored_fraction": _IGNORED, "dtype": "bfloat16"}),
+    LinearCEBuiltin("ce-ignore-index-hard-coded", "ce_ignore_index_hard_coded", "numpy",
+                    "declares ignore_index, ignores -100 whatever it is given",
+                    "ignore_index", "ignored_not_zeroed",
+                    {"ignore_index": 5, "ignored_fraction": _IGNORED}),
 ]}
 
 
