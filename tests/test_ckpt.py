@@ -3,6 +3,7 @@ copies, a round trip, the evaluation table, and exit 2 (never a traceback) on ba
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -102,7 +103,13 @@ def test_inspect_states(capsys: pytest.CaptureFixture[str], tmp_path: Path,
     cos = torch.nn.functional.cosine_similarity(e, h, dim=1)
     assert _close(d["row_cosine"]["min"], float(cos.min()), atol=1e-9, rtol=1e-6)
     assert 0.0 < d["row_cosine"]["min"] <= d["row_cosine"]["median"] < 1.0
+    # a lone key reads as transformers reads it (tie_word_embeddings defaults to true), in a
+    # torch file as in safetensors; the config tells a tie from a lost head
     code, p = _report(capsys, tmp_path, files["nohead.pt"])
+    assert (code, p["state"]) == (0, "tied")
+    assert any("no --config" in n for n in p["notes"])
+    code, p = _report(capsys, tmp_path, files["nohead.pt"], "--config",
+                      files["config_untied.json"])
     assert (code, p["state"]) == (1, "head-missing")
     code, p = _report(capsys, tmp_path, files["narrow.safetensors"])
     assert "projection, not a tie" in p["dimension_mismatch"] and p["tying_saves"] is None
@@ -184,7 +191,11 @@ def test_convert_to_tied_policies(capsys: pytest.CaptureFixture[str], tmp_path: 
         assert got.tensors[HEAD].data_ptr() == matrix.data_ptr()
         meta = got.metadata
     assert meta["tyingspec.policy"] == policy and meta["tyingspec.tied"] == f"{EMB}={HEAD}"
-    assert meta["tyingspec.source"] == os.path.realpath(files["bias.safetensors"])
+    # the source by name and content: no absolute path of this machine ships with OUT
+    assert meta["tyingspec.source"] == "bias.safetensors"
+    assert meta["tyingspec.source_sha256"] == hashlib.sha256(
+        Path(files["bias.safetensors"]).read_bytes()).hexdigest()
+    assert not any(str(tmp_path) in v for v in meta.values())
     if policy == "input":
         assert _same_bits(matrix, e)
     elif policy == "output":
@@ -212,6 +223,14 @@ def test_refuse(capsys: pytest.CaptureFixture[str], tmp_path: Path,
     code, _, _ = _run(capsys, "convert", files["equal.safetensors"], str(out), "--to", "tied",
                       "--policy", "refuse")
     assert code == 0
+    # NaNs in the same places of both matrices are no difference (a NaN elsewhere is: see
+    # test_ckpt_attacks' refuse-nan-gap)
+    sd = _untied(0.0)
+    sd[EMB][1, 1] = sd[HEAD][1, 1] = float("nan")
+    save_file(sd, str(tmp_path / "nan.safetensors"))
+    code, _, err = _run(capsys, "convert", str(tmp_path / "nan.safetensors"), str(out), "--to",
+                        "tied", "--policy", "refuse")
+    assert code == 0, err
 
 
 def test_round_trip_and_config(capsys: pytest.CaptureFixture[str], tmp_path: Path,
@@ -275,9 +294,15 @@ def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
     raw_pt = Path(files["tied.pt"]).read_bytes()
     (tmp_path / "cut.pt").write_bytes(raw_pt[: len(raw_pt) // 2])
     (tmp_path / "junk.bin").write_bytes(b"\x00garbage" * 10)
+    for name, header in (("utf8", b'{"a\xff": 1}'), ("deep", b'{"a":' * 50000 + b"1"
+                                                       + b"}" * 50000)):
+        (tmp_path / f"{name}.safetensors").write_bytes(len(header).to_bytes(8, "little")
+                                                       + header)
     torch.save({"weights": _untied(0.0), "x": Path("p")}, tmp_path / "pickle.pt")
     cases: list[tuple[list[str], str]] = [
         (["inspect", str(tmp_path / "cut.safetensors")], "cut.safetensors"),
+        (["inspect", str(tmp_path / "utf8.safetensors")], "invalid UTF-8"),
+        (["inspect", str(tmp_path / "deep.safetensors")], "recursion limit"),
         (["inspect", str(tmp_path / "cut.pt")], "cut.pt"),
         (["inspect", str(tmp_path / "junk.bin")], "junk.bin"),
         (["inspect", str(tmp_path / "pickle.pt")], "weights_only=True"),
@@ -286,7 +311,7 @@ def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
         (["convert", files["narrow.safetensors"], str(tmp_path / "o.pt"), "--to", "tied",
           "--policy", "input"], "[61, 8]"),
         (["convert", files["nohead.pt"], str(tmp_path / "o.pt"), "--to", "tied",
-          "--policy", "input"], "'lm_head.weight'"),
+          "--policy", "input", "--config", files["config_untied.json"]], "'lm_head.weight'"),
         (["convert", files["diff.safetensors"], files["diff.safetensors"], "--to", "tied",
           "--policy", "input"], "same file"),
         (["convert", files["diff.safetensors"], str(tmp_path / "no" / "o.pt"), "--to", "tied",

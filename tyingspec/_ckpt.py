@@ -7,23 +7,40 @@ refusing shared tensors, a config saying ``tie_word_embeddings`` over two differ
 Files are read only through ``safetensors`` and ``torch.load(weights_only=True)``: nothing
 else is ever unpickled.  A sharded checkpoint (an index JSON with a ``weight_map``) is read as
 one.  Every write goes to a temporary file beside OUT and is renamed over it, so an interrupted
-run leaves no half-written OUT; the input is never overwritten.
+run leaves no half-written OUT; the input is never overwritten.  SIGTERM removes that temporary
+file before the process ends; a failed write (a full disk) leaves the previous OUT whole; OUT
+keeps the mode of the file it replaces; a device or pipe (``/dev/stdout``) is written in place,
+as a stream, never replaced by a regular file.  An output that names an input, by any path or
+hard link, is refused.
+
+Exit codes: 0 tied or consistent, 1 only a tie that is wrong (two different matrices under a
+config that ties them, a lost key the config needs, ``--policy refuse`` refusing), 2 bad input
+or usage, one line naming the file or option, what was expected and what was found.  The file
+is untrusted input: whatever its parser raises (torch's zip reader, the weights-only
+unpickler, the JSON reader) is such a line, never a traceback.  So is whatever the user's
+``--evaluate`` factory raises, ``sys.exit`` included.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import difflib
+import hashlib
 import importlib
 import json
 import math
 import os
 import pickle
+import re
+import signal
+import stat
 import sys
 import tempfile
-import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from ._files import OutputError, absolute, atomic_write, check_distinct, usable_output
 
@@ -41,13 +58,17 @@ EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
 EMBEDDING_KEYS = ("transformer.wte.weight", "model.embed_tokens.weight", "tok_embeddings.weight",
                   "gpt_neox.embed_in.weight", "model.decoder.embed_tokens.weight",
                   "model.language_model.embed_tokens.weight", "transformer.word_embeddings.weight",
-                  "embeddings.word_embeddings.weight", "embed_tokens.weight", "wte.weight")
+                  "embeddings.word_embeddings.weight", "embed_tokens.weight", "wte.weight",
+                  "token_embd.weight")  # the last: llama.cpp's GGUF names (convert_hf_to_gguf)
 HEAD_KEYS = ("lm_head.weight", "output.weight", "embed_out.weight")
 # torch.compile and DistributedDataParallel prefix every key of a saved state dict
 _PREFIXES = ("", "_orig_mod.", "module.")
 SAFETENSORS_EXT = (".safetensors",)
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 POLICIES = ("input", "output", "average", "refuse")
+# how deep "model"/"state_dict"/"module" wrappers of a torch file are unwrapped (nanoGPT and
+# Lightning use one); a file nesting deeper, or nesting a dict in itself, is not a checkpoint
+_MAX_WRAPPERS = 8
 
 
 class CkptError(Exception):
@@ -84,8 +105,18 @@ def _format_of(path: str) -> str:
     return "torch"
 
 
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception from a parser, short enough for one error line."""
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else ""
+    # torch's reader appends advice to every error ("This is an internal miniz error...")
+    line = line.split(" This is an internal miniz error")[0]
+    line = line if len(line) <= 200 else line[:197] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
 def _load_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
     try:
         tensors: dict[str, torch.Tensor] = {}
@@ -93,23 +124,43 @@ def _load_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str
             metadata = dict(fh.metadata() or {})
             for key in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 tensors[key] = fh.get_tensor(key)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # the file is untrusted input: whatever its parser raises
         raise CkptError(f"{path}: not a readable safetensors file (truncated or corrupt?): "
-                        f"{exc}") from exc
+                        f"{_first_line(exc)}") from exc
     return tensors, metadata
 
 
 def _state_dict_from(obj: Any, path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     import torch
 
-    # nanoGPT's ckpt.pt and Lightning wrap the state dict: {"model": ..., "optimizer": ...}
-    if isinstance(obj, dict) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        for key in ("model", "state_dict", "module"):
-            if isinstance(obj.get(key), dict):
-                return _state_dict_from(obj[key], path)
+    # nanoGPT's ckpt.pt and Lightning wrap the state dict: {"model": ..., "optimizer": ...}.
+    # Unwrapped in a loop, never recursively: a pickle can nest a dict thousands deep, or in
+    # itself, and either would otherwise end in a RecursionError
+    seen: set[int] = set()
+    where = ""
+    while isinstance(obj, dict) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        inner = next((k for k in ("model", "state_dict", "module") if isinstance(obj.get(k),
+                                                                                dict)), None)
+        if inner is None:
+            break
+        if id(obj) in seen:
+            raise CkptError(f"{path}: the object under {where or 'the top level'} contains "
+                            f"itself (a self-referencing dict), not a state dict")
+        if len(seen) >= _MAX_WRAPPERS:
+            raise CkptError(f"{path}: expected a state dict within {_MAX_WRAPPERS} wrappers "
+                            f"(\"model\", \"state_dict\", \"module\"), found them nested "
+                            f"deeper ({where}...)")
+        seen.add(id(obj))
+        where += f"[{inner!r}]"
+        obj = obj[inner]
     if not isinstance(obj, dict) or not obj:
         raise CkptError(f"{path}: expected a state dict (a mapping of names to tensors), got "
-                        f"{type(obj).__name__}")
+                        f"{type(obj).__name__}" + (f" under {where}" if where else "")
+                        + (" (empty)" if isinstance(obj, dict) else ""))
+    named = [k for k in obj if not isinstance(k, str)]
+    if named:
+        raise CkptError(f"{path}: expected string keys in the state dict, key {named[0]!r} is "
+                        f"{type(named[0]).__name__}")
     bad = [k for k, v in obj.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise CkptError(f"{path}: expected a tensor under every key, key {bad[0]!r} holds "
@@ -118,7 +169,7 @@ def _state_dict_from(obj: Any, path: str) -> tuple[dict[str, torch.Tensor], dict
     saved = getattr(obj, "_metadata", None)
     if isinstance(saved, dict) and isinstance(saved.get(""), dict):
         meta = {k: str(v) for k, v in saved[""].items() if str(k).startswith("tyingspec.")}
-    return {str(k): v for k, v in obj.items()}, meta
+    return dict(obj), meta
 
 
 def _load_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -131,15 +182,29 @@ def _load_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise CkptError(f"{path}: refused by torch.load(weights_only=True), which only loads "
                         f"tensors and plain containers; tyingspec never unpickles anything "
                         f"else ({first})") from exc
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
+    except Exception as exc:
+        # the file is untrusted input: a corrupt zip is torch's RuntimeError (inline_container),
+        # a corrupt pickle inside it the weights-only unpickler's IndexError (an empty stack),
+        # KeyError (a memo entry never stored) or UnicodeDecodeError
         raise CkptError(f"{path}: not a readable torch file (truncated or corrupt?): "
-                        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0:1]}") from exc
+                        f"{_first_line(exc)}") from exc
     return _state_dict_from(obj, path)
 
 
+def _regular_file(path: str, what: str) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as exc:
+        raise CkptError(f"{what}{path}: no such file") from exc
+    except OSError as exc:  # a symlink loop, a permission
+        raise CkptError(f"{what}{path}: cannot be read ({exc.strerror})") from exc
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, pipe or socket"
+        raise CkptError(f"{what}{path}: expected a regular file, got {kind}")
+
+
 def _load_one(path: str) -> tuple[str, dict[str, torch.Tensor], dict[str, str]]:
-    if not os.path.isfile(path):
-        raise CkptError(f"{path}: no such file")
+    _regular_file(path, "")
     fmt = _format_of(path)
     tensors, meta = _load_safetensors(path) if fmt == "safetensors" else _load_torch(path)
     return fmt, tensors, meta
@@ -155,6 +220,10 @@ def load(path: str) -> Checkpoint:
     if not isinstance(weight_map, dict) or not weight_map:
         raise CkptError(f"{path}: expected a sharded-checkpoint index with a non-empty "
                         "\"weight_map\" {key: file}")
+    odd = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if odd is not None:
+        raise CkptError(f"{path}: expected a file name for every key of \"weight_map\", key "
+                        f"{odd[0]!r} maps to {odd[1]!r}")
     base = os.path.dirname(path)
     merged: dict[str, torch.Tensor] = {}
     formats: set[str] = set()
@@ -162,6 +231,10 @@ def load(path: str) -> Checkpoint:
     merged_meta: dict[str, str] = {}
     for shard in sorted(set(map(str, weight_map.values()))):
         shard_path = os.path.join(base, shard)
+        if shard.endswith(".json") or _same_file(shard_path, path):
+            raise CkptError(f"{path}: the weight_map names {shard!r} as a shard; expected "
+                            f".safetensors or torch files, not an index (the index would "
+                            f"read itself)")
         fmt, tensors, shard_meta = _load_one(shard_path)
         formats.add(fmt)
         files.append(shard_path)
@@ -183,15 +256,33 @@ def _read_json(path: str, what: str) -> Any:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
     except OSError as exc:
-        raise CkptError(f"{path}: cannot be read ({exc.strerror})") from exc
+        raise CkptError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise CkptError(f"{path}: not {what}: expected UTF-8 text, byte "
+                        f"{exc.object[exc.start:exc.start + 1]!r} at offset {exc.start} is "
+                        f"not UTF-8") from exc
     except json.JSONDecodeError as exc:
         raise CkptError(f"{path}: not {what} ({exc})") from exc
+    except RecursionError as exc:
+        raise CkptError(f"{path}: not {what}: nested deeper than the JSON reader allows "
+                        f"(about {sys.getrecursionlimit()} levels)") from exc
+    except ValueError as exc:  # e.g. an integer literal past Python's digit limit
+        raise CkptError(f"{path}: not {what} ({_first_line(exc)})") from exc
 
 
 def _read_config(path: str) -> dict[str, Any]:
     config = _read_json(path, "a JSON config")
     if not isinstance(config, dict):
         raise CkptError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    for where, obj in (("", config), ("text_config.", config.get("text_config"))):
+        if where and obj is not None and not isinstance(obj, dict):
+            raise CkptError(f"{path}: expected \"text_config\" to be a JSON object, got "
+                            f"{type(obj).__name__}")
+        value = obj.get("tie_word_embeddings") if isinstance(obj, dict) else None
+        if value is not None and not isinstance(value, bool):
+            # bool("false") is True: a string or a number here must not read as a tie
+            raise CkptError(f"{path}: expected {where}tie_word_embeddings to be true or false, "
+                            f"got {json.dumps(value)}")
     return config
 
 
@@ -201,6 +292,17 @@ def _config_ties(config: dict[str, Any]) -> bool:
     if "tie_word_embeddings" not in config and isinstance(text, dict):
         return bool(text.get("tie_word_embeddings", True))
     return bool(config.get("tie_word_embeddings", True))
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are one file: the same resolved path, or (a hard link, a bind
+    mount) the same device and inode."""
+    if absolute(a) == absolute(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
 
 
 # --- finding the pair ------------------------------------------------------------------------
@@ -213,17 +315,48 @@ def _find(keys: dict[str, Any], names: tuple[str, ...]) -> str | None:
     return None
 
 
+def recorded_ties(ckpt: Checkpoint) -> dict[str, str]:
+    """The ties the file's own metadata records, {key not stored: key stored}: safetensors'
+    ``save_model`` writes one entry per key it dropped, tyingspec writes ``tyingspec.tied``."""
+    ties = {k: v for k, v in ckpt.metadata.items()
+            if k not in ckpt.tensors and v in ckpt.tensors and not k.startswith("tyingspec.")}
+    emb, _, hd = ckpt.metadata.get("tyingspec.tied", "").partition("=")
+    if emb and hd:
+        if emb in ckpt.tensors and hd not in ckpt.tensors:
+            ties[hd] = emb
+        elif hd in ckpt.tensors and emb not in ckpt.tensors:
+            ties[emb] = hd
+    return ties
+
+
+def _check_given(ckpt: Checkpoint, option: str, key: str) -> None:
+    """A key named by --embedding/--head must be in the file (or recorded as tied to one that
+    is): a typo must not read as a tie with a key that merely is not there."""
+    if key in ckpt.tensors or key in recorded_ties(ckpt):
+        return
+    close = difflib.get_close_matches(key, list(ckpt.tensors), n=3, cutoff=0.6)
+    hint = (f"did you mean {' or '.join(repr(k) for k in close)}?" if close else
+            f"the file holds {len(ckpt.tensors)} keys, e.g. {_some(ckpt)}")
+    raise CkptError(f"{ckpt.path}: missing key {key!r} given by {option}: {hint}")
+
+
 def find_pair(ckpt: Checkpoint, embedding: str | None = None,
               head: str | None = None) -> tuple[str | None, str | None]:
     """The (embedding, head) keys, either given or found by the names real models use; a
-    missing one is None.  Raises :class:`CkptError` when neither is there."""
+    missing one is None.  Raises :class:`CkptError` when neither is there, when a given key is
+    not in the file, and when the two are one key."""
+    if embedding is not None and embedding == head:
+        raise CkptError(f"--embedding and --head both name {embedding!r}: a key is always "
+                        f"\"tied\" to itself; give the embedding's and the head's keys")
     for option, key in (("--embedding", embedding), ("--head", head)):
-        if key is not None and key not in ckpt.tensors and option == "--embedding":
-            raise CkptError(f"{ckpt.path}: missing key {key!r} given by {option} (the file "
-                            f"holds {len(ckpt.tensors)} keys, e.g. {_some(ckpt)})")
+        if key is not None:
+            _check_given(ckpt, option, key)
     emb = embedding if embedding is not None else _find(ckpt.tensors, EMBEDDING_KEYS)
     hd = head if head is not None else _find(ckpt.tensors, HEAD_KEYS)
-    if hd is not None and hd not in ckpt.tensors:
+    recorded = recorded_ties(ckpt)
+    if emb is None and hd is not None:  # save_model's own record of the key it dropped
+        emb = next((k for k, v in recorded.items() if v == hd), None)
+    if hd is not None and hd not in ckpt.tensors and hd not in recorded:
         hd_present = None
     else:
         hd_present = hd
@@ -238,9 +371,17 @@ def find_pair(ckpt: Checkpoint, embedding: str | None = None,
             k.startswith(c.split(".")[0] + ".") for k in ckpt.tensors)), None)
     if hd is None and emb is not None:
         # the head's usual name, for a file that dropped it (a tied save) or lost it
-        hd = "lm_head.weight" if not emb.startswith(("tok_", "gpt_neox")) else (
-            "output.weight" if emb.startswith("tok_") else "embed_out.weight")
+        hd = next((k for k, v in recorded.items() if v == emb), None) or _head_name_for(emb)
+    if emb is not None and emb == hd:
+        raise CkptError(f"{ckpt.path}: the embedding and the head resolve to one key {emb!r}: "
+                        f"give --embedding KEY --head KEY naming two keys")
     return emb, hd
+
+
+def _head_name_for(emb: str) -> str:
+    if emb.startswith("tok_") or emb == "token_embd.weight":  # Meta's llama, llama.cpp's GGUF
+        return "output.weight"
+    return "embed_out.weight" if emb.startswith("gpt_neox") else "lm_head.weight"
 
 
 def _some(ckpt: Checkpoint) -> str:
@@ -249,7 +390,10 @@ def _some(ckpt: Checkpoint) -> str:
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    # every empty storage has data_ptr 0, and one storage can be viewed as two dtypes: neither
+    # is one matrix used twice
+    return bool(a.numel() > 0 and a.dtype == b.dtype and a.device == b.device
+                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
                 and a.storage_offset() == b.storage_offset() and a.shape == b.shape
                 and a.stride() == b.stride())
 
@@ -292,6 +436,13 @@ def inspect(ckpt: Checkpoint, config: dict[str, Any] | None = None,
         pair[f"{name}_dtype"] = str(t.dtype).removeprefix("torch.") if t is not None else None
     one = e if e is not None else h
     assert one is not None  # find_pair guarantees one of the two
+    for name, key, t in (("embedding", emb, e), ("head", hd, h)):
+        if t is not None and (t.dim() != 2 or t.numel() == 0):
+            raise CkptError(f"{ckpt.path}: expected the {name} {key!r} to be a non-empty "
+                            f"matrix [vocab, d], got shape {list(t.shape)} "
+                            f"{str(t.dtype).removeprefix('torch.')}"
+                            + (" (an empty placeholder, as a ZeRO-3 or meta-device save "
+                               "leaves)" if t.numel() == 0 else ""))
     if e is not None and h is not None:
         if _same_storage(e, h):
             state = "tied"
@@ -301,12 +452,20 @@ def inspect(ckpt: Checkpoint, config: dict[str, Any] | None = None,
             state = "different"
     else:
         missing = "head" if h is None else "embedding"
-        # safetensors cannot hold shared tensors, so a tied save keeps one key (save_model);
-        # a torch file keeps both names, so a lone key there is a lost one, unless the config
-        # or tyingspec's own metadata says it was tied
-        ties = config_ties if config_ties is not None else (
-            recorded is not None or ckpt.format != "torch")
+        # A tied save keeps one key: safetensors' save_model (it cannot hold shared tensors),
+        # transformers' save_pretrained, a torch file re-saved from either.  The verdict rests
+        # on the tensors, the file's own record of the tie and the config, never on the
+        # container: the same tensors as .pt and as .safetensors once read differently (a
+        # lone key "lost" in one, "tied" in the other).  With no config, a lone key reads as
+        # transformers reads it, tie_word_embeddings defaulting to true.
+        ties = config_ties if config_ties is not None else True
         state = "tied" if ties else f"{missing}-missing"
+        if state == "tied" and config_ties is None and recorded is None and not recorded_ties(
+                ckpt):
+            notes.append("nothing in the file records the tie and no --config was given: read "
+                         "as tied, as transformers' default tie_word_embeddings=true reads it; "
+                         "give --config to tell a tie from a lost "
+                         f"{'head' if h is None else 'embedding'}")
         if state == "tied":
             notes.append(f"one tensor on disk, under {(emb if e is not None else hd)!r}; "
                          f"a loader must tie {hd if e is not None else emb!r} to it")
@@ -425,19 +584,59 @@ def _tie_matrix(e: torch.Tensor, h: torch.Tensor, policy: str, tolerance: float,
         # returns them bit for bit
         return ((e.to(torch.float64) + h.to(torch.float64)) / 2).to(e.dtype), None
     if policy == "refuse":
-        gap = float((e.to(torch.float64) - h.to(torch.float64)).abs().max())
-        if gap > tolerance:
+        # a NaN in either matrix makes the gap NaN, and NaN > tolerance is False: bit-equal
+        # matrices (NaNs in the same places) have no gap, any other NaN refuses
+        gap = 0.0 if torch_equal(e, h) else float(
+            (e.to(torch.float64) - h.to(torch.float64)).abs().max())
+        if not gap <= tolerance:
             return e, (f"{path}: the embedding and the head differ by max |delta| {gap:.4g} > "
                        f"--tolerance {tolerance:g}; refusing to tie (choose --policy input, "
                        f"output or average)")
     return e, None
 
 
-def convert(ckpt: Checkpoint, to: str, policy: str | None, tolerance: float = 0.0,
+def check_policy(to: str, policy: str | None, tolerance: float | None) -> None:
+    """Refuse a --policy or --tolerance that means nothing for ``to``, and a tolerance that is
+    not a finite number >= 0 (NaN compares false with every gap: "refuse" would tie anything)."""
+    if to not in ("tied", "untied"):
+        raise CkptError(f"--to: expected tied or untied, got {to!r}")
+    if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
+        raise CkptError(f"--tolerance: expected a finite number >= 0 (the largest |delta| "
+                        f"--policy refuse accepts), got {tolerance!r}")
+    if to == "untied":
+        # untying copies the one matrix into both keys (or keeps the two it finds): there is
+        # no matrix to choose
+        if policy is not None:
+            raise CkptError(f"--policy {policy}: a policy chooses the tied matrix; --to untied "
+                            f"gives the head a copy of the embedding and takes no --policy")
+        if tolerance is not None:
+            raise CkptError("--tolerance: only --policy refuse reads it; --to untied takes no "
+                            "--tolerance")
+        return
+    if policy is None:
+        raise CkptError("--to tied needs --policy input|output|average|refuse")
+    if policy not in POLICIES:
+        raise CkptError(f"--policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    except OSError as exc:
+        raise CkptError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    return digest.hexdigest()
+
+
+def convert(ckpt: Checkpoint, to: str, policy: str | None, tolerance: float | None = None,
             config: dict[str, Any] | None = None, embedding: str | None = None,
             head: str | None = None) -> Converted:
     """Convert ``ckpt`` to ``to`` ("tied" or "untied") under ``policy``; every tensor other
-    than the head and embedding is the same object as in ``ckpt`` (copied bit for bit)."""
+    than the head and embedding is the same object as in ``ckpt`` (copied bit for bit).
+    ``tolerance`` (default 0: bit-equal) is read by ``refuse`` only."""
+    check_policy(to, policy, tolerance)
     report = inspect(ckpt, config, embedding, head)
     pair = report["pairs"][0]
     emb, hd, state = pair["embedding"], pair["head"], pair["state"]
@@ -445,8 +644,6 @@ def convert(ckpt: Checkpoint, to: str, policy: str | None, tolerance: float = 0.
         raise CkptError(f"{ckpt.path}: shape mismatch: embedding {emb!r} has shape "
                         f"{pair['embedding_shape']}, head {hd!r} has shape {pair['head_shape']}"
                         f" ({pair['dimension_mismatch']})")
-    if to == "tied" and policy is None:
-        raise CkptError("--to tied needs --policy input|output|average|refuse")
     if state.endswith("-missing"):
         raise CkptError(f"{ckpt.path}: missing key {(hd if state == 'head-missing' else emb)!r}"
                         f": the {state.removesuffix('-missing')} is not in the file, so there "
@@ -464,13 +661,20 @@ def convert(ckpt: Checkpoint, to: str, policy: str | None, tolerance: float = 0.
         raise CkptError(f"{ckpt.path}: dtype mismatch: embedding {emb!r} is "
                         f"{pair['embedding_dtype']}, head {hd!r} is {pair['head_dtype']}")
     out: dict[str, torch.Tensor] = {}
-    meta = {k: v for k, v in ckpt.metadata.items() if not k.startswith("tyingspec.")}
-    meta.update({"tyingspec.to": to, "tyingspec.source": absolute(ckpt.path),
-                 "tyingspec.policy": policy or "input"})
+    # the source's own record of this pair's tie (save_model's) no longer holds once rewritten
+    meta = {k: v for k, v in ckpt.metadata.items()
+            if not k.startswith("tyingspec.") and k not in (emb, hd)}
+    # the source by name and content, never by an absolute path of the user's machine (that
+    # would ship with the checkpoint)
+    meta.update({"tyingspec.to": to, "tyingspec.source": os.path.basename(ckpt.path),
+                 "tyingspec.source_sha256": _sha256(ckpt.path)})
+    if policy is not None:
+        meta["tyingspec.policy"] = policy
     refused = None
     if to == "tied":
         assert policy is not None
-        matrix, refused = _tie_matrix(e, h, policy, tolerance, ckpt.path)
+        matrix, refused = _tie_matrix(e, h, policy, 0.0 if tolerance is None else tolerance,
+                                      ckpt.path)
         meta["tyingspec.tied"] = f"{emb}={hd}"
         for key, t in ckpt.tensors.items():
             if key == emb:
@@ -491,45 +695,198 @@ def convert(ckpt: Checkpoint, to: str, policy: str | None, tolerance: float = 0.
     return Converted(out, meta, refused)
 
 
-def _write(converted: Converted, path: str, fmt: str, tie: tuple[str, str] | None) -> None:
-    target = absolute(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
-                               dir=os.path.dirname(target))
-    os.close(fd)
+def _mode_for(target: str) -> int:
+    """The mode OUT gets: the existing file's, else what the umask gives a new file (mkstemp
+    alone would leave every OUT at 0600)."""
     try:
-        if fmt == "safetensors":
-            from safetensors.torch import save_file
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
-            tensors = dict(converted.tensors)
-            if tie is not None:
-                tensors.pop(tie[1], None)  # safetensors holds one key of a tie, as save_model
-            seen: set[tuple[int, int]] = set()  # (storage, offset) of each tensor written
-            for key, t in tensors.items():
-                # safetensors refuses tensors that share memory; a copy keeps the bits
-                span = (int(t.untyped_storage().data_ptr()), int(t.storage_offset()))
-                if span in seen or not t.is_contiguous():
-                    tensors[key] = t.contiguous().clone()
-                seen.add(span)
-            save_file(tensors, tmp, metadata=converted.metadata)
+
+def _is_stream(path: str) -> bool:
+    """An existing path that is no regular file (``/dev/stdout``, a pipe, a device): written
+    in place as a stream, since a temporary file renamed over it would replace the device node
+    with a regular file."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _write_reason(exc: Exception) -> str:
+    """Why a write failed, in one line: the OS error behind it when there is one (safetensors
+    reports ENOSPC as ``SafetensorError: ... I/O error: No space left on device (os error
+    28)``)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        # torch.save's zip writer, failing in its __exit__, raises a RuntimeError ("unexpected
+        # pos") while handling the OSError of the write: the OSError is the reason
+        if isinstance(cause, OSError):
+            return cause.strerror or str(cause)
+        cause = cause.__cause__ or cause.__context__
+    found = re.search(r"os error (\d+)", str(exc))
+    return os.strerror(int(found.group(1))) if found else _first_line(exc)
+
+
+class _WriteAll:
+    """The ``write`` torch.save calls: every byte reaches the file descriptor, or the OS error
+    that stopped it is raised."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(self.fd, view):]
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _serialise(converted: Converted, fmt: str, tie: tuple[str, str] | None,
+               fh: IO[bytes] | None, path: str | None) -> None:
+    """Write ``converted`` to the open binary file ``fh``, or (safetensors, which writes by
+    name) to ``path``."""
+    if fmt == "safetensors":
+        from safetensors.torch import save, save_file
+
+        tensors = dict(converted.tensors)
+        if tie is not None:
+            tensors.pop(tie[1], None)  # safetensors holds one key of a tie, as save_model
+        seen: set[tuple[int, int]] = set()  # (storage, offset) of each tensor written
+        for key, t in tensors.items():
+            # safetensors refuses tensors that share memory; a copy keeps the bits
+            span = (int(t.untyped_storage().data_ptr()), int(t.storage_offset()))
+            if span in seen or not t.is_contiguous():
+                tensors[key] = t.contiguous().clone()
+            seen.add(span)
+        if path is not None:
+            save_file(tensors, path, metadata=converted.metadata)
         else:
-            import torch
+            assert fh is not None
+            fh.write(save(tensors, metadata=converted.metadata))
+    else:
+        import torch
 
-            sd: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict(
-                converted.tensors)
-            # load_state_dict reads only "version" from this; the tyingspec keys ride along
-            setattr(sd, "_metadata", collections.OrderedDict(  # noqa: B010
-                {"": dict(converted.metadata)}))
-            torch.save(sd, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
+        sd: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict(
+            converted.tensors)
+        # load_state_dict reads only "version" from this; the tyingspec keys ride along
+        setattr(sd, "_metadata", collections.OrderedDict(  # noqa: B010
+            {"": dict(converted.metadata)}))
+        # through a writer that writes every byte or raises, so a full disk is an OSError
+        # naming ENOSPC: given a path, or a file whose write() returns short, torch reports
+        # only "[enforce fail at inline_container.cc] unexpected pos 1280 vs 1232"
+        assert fh is not None
+        torch.save(sd, cast("IO[bytes]", _WriteAll(fh.fileno())))
+
+
+def _write(converted: Converted, path: str, fmt: str, tie: tuple[str, str] | None) -> None:
+    """Write OUT atomically (a temporary file beside it, renamed over it) keeping its mode, or
+    as a stream when OUT is a device or pipe.  A failed write is a :class:`CkptError`, and
+    leaves the previous OUT whole and no temporary file."""
+    target = absolute(path)
+    if _is_stream(path):  # as given: /dev/stdout resolves to /proc/PID/fd/pipe:[N]
+        try:
+            with open(path, "wb") as fh:
+                _serialise(converted, fmt, tie, fh, None)
+        except Exception as exc:
+            raise CkptError(f"OUT {path}: cannot be written ({_write_reason(exc)})") from exc
+        return
+    mode = _mode_for(target)
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
+                                   dir=os.path.dirname(target))
+        with os.fdopen(fd, "wb") as fh:
+            if fmt == "safetensors":
+                _serialise(converted, fmt, tie, None, tmp)
+            else:
+                _serialise(converted, fmt, tie, fh, None)
+                fh.flush()
+        with open(tmp, "rb") as check:
+            os.fsync(check.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
+        tmp = None
+    except Exception as exc:
+        before = "the previous file is unchanged" if os.path.exists(target) else "nothing " \
+            "was written"
+        raise CkptError(f"OUT {path}: cannot be written ({_write_reason(exc)}); {before}"
+                        ) from exc
+    finally:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise
+
+
+def _write_text(option: str, path: str, text: str) -> None:
+    """A JSON report or config: in place when ``path`` is a stream, else atomically."""
+    stream = _is_stream(path)
+    try:
+        if stream:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        else:
+            atomic_write(path, text)
+    except OSError as exc:
+        raise CkptError(f"{option} {path}: cannot be written ({exc.strerror or exc})"
+                        + ("" if stream else "; the previous file, if any, is unchanged")
+                        ) from exc
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: raised where the program was, so every ``finally`` (the
+    removal of a temporary file) runs before the process ends."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into :class:`_Terminated` while the command runs.  Only a
+    signal still at its default (which would end the process with OUT's temporary file left
+    behind) is taken over, and only in the main thread, where Python runs handlers."""
+    import threading
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated(signum)
+
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for taken, old in previous.items():
+            signal.signal(taken, old)
 
 
 # --- evaluate --------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _guarded(spec: str, during: str) -> Iterator[None]:
+    """The user's code (its import, the factory, load_state_dict, the forward) runs in here:
+    whatever it raises, ``sys.exit`` included, is a :class:`CkptError` naming the factory,
+    never a traceback or an exit status of the user's choosing (``SystemExit(0)`` would read as
+    a written OUT)."""
+    try:
+        yield
+    except (CkptError, KeyboardInterrupt, _Terminated):
+        raise
+    except SystemExit as exc:
+        raise CkptError(f"--evaluate {spec}: {during} called sys.exit({exc.code!r}); expected "
+                        f"it to return") from exc
+    except BaseException as exc:
+        raise CkptError(f"--evaluate {spec}: {during} raised {_first_line(exc)}") from exc
+
 
 def _factory(spec: str) -> nn.Module:
     from torch import nn
@@ -538,12 +895,16 @@ def _factory(spec: str) -> nn.Module:
     if not module_name or not attr:
         raise CkptError(f"--evaluate: expected module:attr, got {spec!r}")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise CkptError(f"--evaluate {spec}: cannot be imported ({exc})") from exc
-    model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
+        with _guarded(spec, "importing it"):
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+    except CkptError as exc:
+        if isinstance(exc.__cause__, ImportError | AttributeError):
+            raise CkptError(f"--evaluate {spec}: cannot be imported ({exc.__cause__})") from exc
+        raise
+    with _guarded(spec, "the factory"):
+        model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
     if not isinstance(model, nn.Module):
         raise CkptError(f"--evaluate {spec}: expected a zero-argument factory returning an "
                         f"nn.Module, got {type(model).__name__}")
@@ -561,11 +922,17 @@ def read_tokens(path: str) -> torch.Tensor:
         else:
             with open(path, encoding="utf-8") as fh:
                 arr = np.array([int(t) for t in fh.read().replace(",", " ").split()])
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EOFError) as exc:
         raise CkptError(f"--tokens {path}: expected integer token ids ({exc})") from exc
     if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2) or arr.size < 2:
         raise CkptError(f"--tokens {path}: expected at least 2 integer ids in a 1-D or 2-D "
                         f"array, got dtype {arr.dtype} and shape {list(arr.shape)}")
+    if arr.ndim == 2 and arr.shape[1] < 2:
+        # a row of one id has no next-token target: its mean loss is 0/0 = NaN
+        raise CkptError(f"--tokens {path}: expected at least 2 ids per row (an input and its "
+                        f"next-token target), got shape {list(arr.shape)}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise CkptError(f"--tokens {path}: token id {int(arr.max())} does not fit int64")
     return torch.from_numpy(arr.astype(np.int64))
 
 
@@ -574,7 +941,9 @@ def _windows(tokens: torch.Tensor, model: nn.Module) -> torch.Tensor:
         return tokens
     config = getattr(model, "config", None)
     block = getattr(config, "block_size", None) or getattr(config, "n_positions", None)
-    length = min(int(block), tokens.numel() - 1) if block else tokens.numel() - 1
+    if not isinstance(block, int) or block < 1:
+        block = None
+    length = min(block, tokens.numel() - 1) if block else tokens.numel() - 1
     rows = (tokens.numel() - 1) // length
     return tokens[: rows * length + 1].unfold(0, length + 1, length)[:rows]
 
@@ -586,59 +955,84 @@ def _load_into(spec: str, tensors: dict[str, torch.Tensor], emb: str, hd: str,
 
     model = _factory(spec)
     try:
-        model.load_state_dict(tensors, strict=False)
-    except RuntimeError as exc:
-        raise CkptError(f"--evaluate {spec}: the checkpoint does not fit the model: "
-                        f"{str(exc).strip().splitlines()[0]}") from exc
+        with _guarded(spec, "load_state_dict"):
+            model.load_state_dict(tensors, strict=False)
+    except CkptError as exc:
+        if isinstance(exc.__cause__, RuntimeError):
+            raise CkptError(f"--evaluate {spec}: the checkpoint does not fit the model: "
+                            f"{_first_line(exc.__cause__)}") from exc
+        raise
     params = dict(model.named_parameters(remove_duplicate=False))
     if emb not in params or hd not in params:
         raise CkptError(f"--evaluate {spec}: the model has no parameter "
                         f"{emb if emb not in params else hd!r}")
-    if untie and params[emb] is params[hd]:
-        # the original holds two matrices: give the head its own so the model computes them
-        owner = model.get_submodule(hd.rpartition(".")[0])
-        owner.weight = nn.Parameter(tensors[hd].detach().clone())
-    # load_state_dict wrote both names into a tying model's one Parameter, the head last (the
-    # key-order bug): the embedding is set from its own tensor, the head as given
-    with torch.no_grad():
-        dict(model.named_parameters(remove_duplicate=False))[emb].copy_(tensors[emb])
+    with _guarded(spec, "re-tying its parameters"):
+        if untie and params[emb] is params[hd]:
+            # the original holds two matrices: give the head its own so the model computes
+            # them
+            owner = model.get_submodule(hd.rpartition(".")[0])
+            owner.weight = nn.Parameter(tensors[hd].detach().clone())
+        # load_state_dict wrote both names into a tying model's one Parameter, the head last
+        # (the key-order bug): the embedding is set from its own tensor, the head as given
+        with torch.no_grad():
+            dict(model.named_parameters(remove_duplicate=False))[emb].copy_(tensors[emb])
     return model
 
 
-def _loss(model: nn.Module, windows: torch.Tensor) -> float:
+def _loss(model: nn.Module, windows: torch.Tensor, spec: str, name: str) -> float:
     import torch
     from torch.nn import functional as F
 
-    model = model.double().eval()
-    with torch.no_grad():
-        out = model(windows[:, :-1])
-        logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)
-        if logits.shape[-1] <= int(windows.max()):
-            raise CkptError(f"--tokens: token id {int(windows.max())} is outside the model's "
-                            f"vocabulary of {logits.shape[-1]}")
-        return float(F.cross_entropy(logits.to(torch.float64).reshape(-1, logits.shape[-1]),
-                                     windows[:, 1:].reshape(-1)))
+    with _guarded(spec, "the model's forward"):
+        model = model.double().eval()
+        with torch.no_grad():
+            out = model(windows[:, :-1])
+    logits = out[0] if isinstance(out, tuple) and out else getattr(out, "logits", out)
+    want = [*windows[:, :-1].shape]
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or [*logits.shape[:2]] != want:
+        got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise CkptError(f"--evaluate {spec}: expected the forward to return logits of shape "
+                        f"[{want[0]}, {want[1]}, vocab] (or a tuple or output whose first item "
+                        f"or .logits they are), got {got}")
+    if logits.shape[-1] <= int(windows.max()):
+        raise CkptError(f"--tokens: token id {int(windows.max())} is outside the model's "
+                        f"vocabulary of {logits.shape[-1]}")
+    loss = float(F.cross_entropy(logits.to(torch.float64).reshape(-1, logits.shape[-1]),
+                                 windows[:, 1:].reshape(-1)))
+    if not math.isfinite(loss):
+        # a NaN compares unequal to everything and would read as "no change": never a pass
+        raise CkptError(f"--evaluate {spec}: the {name} model's loss on --tokens is {loss}; "
+                        f"expected a finite number (a NaN or inf in the checkpoint's weights?)")
+    return loss
 
 
-def evaluate(ckpt: Checkpoint, spec: str, tokens: torch.Tensor, tolerance: float = 0.0,
+def evaluate(ckpt: Checkpoint, spec: str, tokens: torch.Tensor, tolerance: float | None = None,
              config: dict[str, Any] | None = None, embedding: str | None = None,
              head: str | None = None) -> list[tuple[str, float | None]]:
     """Mean cross-entropy (float64) of the original and of each policy's tied model."""
     report = inspect(ckpt, config, embedding, head)
     emb, hd = report["pairs"][0]["embedding"], report["pairs"][0]["head"]
-    untied = convert(ckpt, "untied", "input", tolerance, config, emb, hd)
+    untied = convert(ckpt, "untied", None, None, config, emb, hd)
+    vocab = int(untied.tensors[emb].shape[0])
+    if tokens.dim() == 2 and tokens.shape[1] < 2 or tokens.numel() < 2:
+        raise CkptError(f"--tokens: expected at least 2 ids per sequence (an input and its "
+                        f"next-token target), got shape {list(tokens.shape)}")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab:
+        raise CkptError(f"--tokens: token id {low if low < 0 else high} is outside the "
+                        f"vocabulary: expected ids 0..{vocab - 1} (the rows of the embedding "
+                        f"{emb!r})")
     model = _load_into(spec, untied.tensors, emb, hd, untie=True)
     windows = _windows(tokens, model)
-    if int(windows.min()) < 0:
-        raise CkptError(f"--tokens: negative token id {int(windows.min())}")
-    rows: list[tuple[str, float | None]] = [("original", _loss(model, windows))]
+    rows: list[tuple[str, float | None]] = [("original", _loss(model, windows, spec,
+                                                                "original"))]
     for policy in POLICIES:
         conv = convert(ckpt, "tied", policy, tolerance, config, emb, hd)
         if conv.refused:
             rows.append((policy, None))
             continue
         rows.append((policy, _loss(_load_into(spec, conv.tensors, emb, hd, untie=False),
-                                   windows)))
+                                   windows, spec, f"--policy {policy}")))
     return rows
 
 
@@ -665,7 +1059,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     c.add_argument("--policy", choices=POLICIES,
                    help="the tied matrix: the embedding (input), the head (output), their mean "
                         "(average), or refuse when they differ by more than --tolerance")
-    c.add_argument("--tolerance", type=float, default=0.0, metavar="T",
+    c.add_argument("--tolerance", type=float, default=None, metavar="T",
                    help="max |delta| refuse accepts (default 0: bit-equal)")
     c.add_argument("--config", metavar="config.json",
                    help="its tie_word_embeddings is set in --config-out")
@@ -687,15 +1081,37 @@ def _out_format(path: str) -> str:
     raise CkptError(f"OUT {path!r}: expected a .safetensors, .pt, .pth, .bin or .ckpt file")
 
 
+def _refuse_same(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> None:
+    """An output naming an input (by path, symlink or hard link) would destroy what is being
+    read: a usage error, checked before anything is written."""
+    for out_name, out in outputs.items():
+        for in_name, src in inputs.items():
+            if out and src and _same_file(out, src):
+                raise CkptError(f"{out_name} {out!r} is the same file as {in_name} {src!r}: "
+                                f"tyingspec never overwrites what it reads; give {out_name} "
+                                f"another file")
+
+
+def _inputs(args: argparse.Namespace, ckpt: Checkpoint | None) -> dict[str, str | None]:
+    named: dict[str, str | None] = {"the input": getattr(args, "file", None) or getattr(
+        args, "input", None), "--config": args.config, "--tokens": getattr(args, "tokens", None)}
+    for i, shard in enumerate(ckpt.files if ckpt is not None else []):
+        named[f"shard {i + 1} of the input"] = shard
+    return named
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
     if args.json:
         usable_output("--json", args.json)
-        check_distinct({"FILE": args.file, "--json": args.json})
+        _refuse_same({"--json": args.json}, _inputs(args, None))
     config = _read_config(args.config) if args.config else None
-    report = inspect(load(args.file), config, args.embedding, args.head)
+    ckpt = load(args.file)
+    if args.json:
+        _refuse_same({"--json": args.json}, _inputs(args, ckpt))
+    report = inspect(ckpt, config, args.embedding, args.head)
     print(render(report))
     if args.json:
-        atomic_write(args.json, json.dumps(report, indent=2) + "\n")
+        _write_text("--json", args.json, json.dumps(report, indent=2) + "\n")
     pair = report["pairs"][0]
     bad = pair["state"].endswith("-missing") or pair["config_agrees"] is False
     return EXIT_WRONG if bad else EXIT_OK
@@ -703,28 +1119,27 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 def _run_convert(args: argparse.Namespace) -> int:
     out = usable_output("OUT", args.output)
-    fmt = _out_format(out)
+    fmt = _out_format(args.output)  # by the name given: a symlink's target may have none
     ckpt_in = args.input
     if args.evaluate is not None and args.tokens is None or \
             args.tokens is not None and args.evaluate is None:
         raise CkptError("--evaluate TARGET and --tokens FILE go together")
-    config = _read_config(args.config) if args.config else None
-    ckpt = load(ckpt_in)
-    inputs = {"IN": ckpt_in, **{f"IN shard {i}": f for i, f in enumerate(ckpt.files)}}
-    if args.config:
-        inputs["--config"] = args.config
-    for name, path in inputs.items():
-        if absolute(path) == out:
-            raise CkptError(f"OUT {args.output!r} is the same file as {name} {path!r}: "
-                            f"convert never overwrites its input; give another OUT")
+    check_policy(args.to, args.policy, args.tolerance)
+    if args.tolerance is not None and args.policy != "refuse" and args.evaluate is None:
+        raise CkptError(f"--tolerance: only --policy refuse (or --evaluate, which reports "
+                        f"refuse) reads it; --policy {args.policy} ignores it")
     config_out = None
-    if config is not None:
+    if args.config is not None:
         config_out = usable_output("--config-out", args.config_out or os.path.join(
             os.path.dirname(out), "config.json"))
-        if config_out == absolute(args.config):
-            raise CkptError(f"--config-out {config_out!r} is the input config: give "
-                            f"--config-out another file (the input is never overwritten)")
         check_distinct({"OUT": out, "--config-out": config_out})
+    elif args.config_out is not None:
+        raise CkptError("--config-out: it writes the updated --config; give --config too")
+    outputs = {"OUT": args.output, "--config-out": args.config_out or config_out}
+    _refuse_same(outputs, _inputs(args, None))
+    config = _read_config(args.config) if args.config else None
+    ckpt = load(ckpt_in)
+    _refuse_same(outputs, _inputs(args, ckpt))
     if args.evaluate is not None:
         rows = evaluate(ckpt, args.evaluate, read_tokens(args.tokens), args.tolerance, config,
                         args.embedding, args.head)
@@ -745,32 +1160,42 @@ def _run_convert(args: argparse.Namespace) -> int:
     if args.to == "tied":
         emb, hd = converted.metadata["tyingspec.tied"].split("=", 1)
         tie = (emb, hd)
-    try:
-        _write(converted, out, fmt, tie)
-        if config is not None and config_out is not None:
-            config = dict(config)
-            config["tie_word_embeddings"] = args.to == "tied"
-            if isinstance(config.get("text_config"), dict):
-                config["text_config"] = {**config["text_config"],
-                                         "tie_word_embeddings": args.to == "tied"}
-            atomic_write(config_out, json.dumps(config, indent=2) + "\n")
-    except OSError as exc:
-        raise CkptError(f"OUT {args.output}: cannot be written ({exc.strerror or exc})") from exc
+    _write(converted, args.output, fmt, tie)
+    if config is not None and config_out is not None:
+        config = dict(config)
+        config["tie_word_embeddings"] = args.to == "tied"
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"] = {**config["text_config"],
+                                     "tie_word_embeddings": args.to == "tied"}
+        _write_text("--config-out", config_out, json.dumps(config, indent=2) + "\n")
     stored = len(converted.tensors) - (1 if tie is not None and fmt == "safetensors" else 0)
-    print(f"wrote {args.output} ({args.to}, policy {converted.metadata['tyingspec.policy']}, "
-          f"{stored} tensors)" + (f"; config {config_out}" if config_out else ""))
+    how = f"tied, policy {args.policy}" if args.to == "tied" else "untied"
+    print(f"wrote {args.output} ({how}, {stored} tensors)"
+          + (f"; config {config_out}" if config_out else ""))
     return EXIT_OK
 
 
 def run(args: argparse.Namespace) -> int:
-    """Dispatch ``tyingspec ckpt inspect|convert``; bad input is a message and exit 2."""
+    """Dispatch ``tyingspec ckpt inspect|convert``; bad input is a message and exit 2.  SIGTERM
+    or SIGHUP while it runs removes the temporary file of a write in progress, then ends the
+    process by that signal."""
     try:
-        if args.ckpt_command == "inspect":
-            return _run_inspect(args)
-        if args.ckpt_command == "convert":
-            return _run_convert(args)
+        with _signals_raise():
+            if args.ckpt_command == "inspect":
+                return _run_inspect(args)
+            if args.ckpt_command == "convert":
+                return _run_convert(args)
     except (CkptError, OutputError) as exc:
         print(f"tyingspec ckpt: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except _Terminated as stop:
+        # the finally clauses have run (no temporary file is left): now end as the signal
+        # would have, so a supervisor sees what happened
+        name = signal.Signals(stop.signum).name
+        print(f"tyingspec ckpt: stopped by {name}; nothing half-written is left", file=sys.stderr)
+        sys.stderr.flush()
+        signal.signal(stop.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), stop.signum)
+        return 128 + stop.signum
     print("tyingspec ckpt: expected a subcommand, inspect or convert", file=sys.stderr)
     return EXIT_USAGE
