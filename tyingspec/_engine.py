@@ -192,6 +192,8 @@ def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
 
 
 def _invoke(target: Target, inputs: dict[str, Any]) -> Returned:
+    if target.table.takes_precision:
+        inputs = inputs | {"precision": target.precision}
     if target.worker is not None:
         returned: Returned = target.worker.invoke(inputs)
         return returned

@@ -62,6 +62,9 @@ class KindSpec:
     # why a case cannot run on a target, from what the target says of itself (its options);
     # None: it can (see ``tyingspec._engine.runnable``)
     unfit: Callable[[dict[str, Any], Case], str | None] | None = None
+    # True when the target runs in its own dtype unless one is declared: the engine hands it
+    # ``precision`` ("auto" or the declared one) with its inputs (a torch model)
+    takes_precision: bool = False
 
 
 def _model_inputs(batch: Batch) -> Inputs:
@@ -113,14 +116,17 @@ def _torch_reference(batch: Batch, inputs: Inputs, precision: str,
     ev = returned.evidence
     V, d = int(ev["tie"]["vocab"]), int(ev["tie"]["width"])
     loss = 0.0 if returned.loss is None else returned.loss
-    if ev.get("observed_by") == "hooks":
+    if ev.get("observed_by") == "uses":
         paths = kernel_paths(ev["tokens"], ev["dx"], ev["h"], ev["g"], V, "float64")
         return replace(paths, loss=loss, padding_idx=ev["tie"]["padding_idx"])
     # The uses could not be observed (see tyingspec._torch_adapter): the rows are the model's
     # own, split as its backward split them, and the verdict is the forward's (a finding).
+    # The batch's tokens are still the rows its lookups read: power is judged on them, so a
+    # correct model whose uses cannot be observed can pass on the forward check's word.
     own = np.asarray(returned.dE, dtype=np.float64)
+    tokens = np.asarray(inputs["tokens"], dtype=np.int64).reshape(-1)
     return Paths(loss=loss, dE_in=ev["dE_in"], dE_out=own - ev["dE_in"], dW=np.zeros((0, 0)),
-                 db=None, per_position=np.zeros((0, d)), tokens=np.zeros(0, dtype=np.int64))
+                 db=None, per_position=np.zeros((tokens.size, d)), tokens=tokens)
 
 
 def _ce_invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
@@ -210,7 +216,7 @@ KINDS: dict[Kind, KindSpec] = {
         properties=("torch_tie_identity", "torch_optimizer_sees_tie_once",
                     "torch_gradient_by_path", "torch_gradient_against_forward",
                     "torch_fresh_gradient", "torch_micro_batches_accumulate"),
-        builtins=_torch_builtins, own_shape=True),
+        builtins=_torch_builtins, own_shape=True, takes_precision=True),
     "linear-ce": KindSpec(
         name="linear-ce",
         contract="f(h, E, targets, b, *, grad_output, **options) -> {'loss', 'dh', 'dE', 'db'}, "

@@ -169,13 +169,18 @@ class _Tester:
     """Runs directional tests, counts evaluations, adapts the step."""
 
     def __init__(self, loss_along: LossAlong, grad: NDArray[np.float64], seed: int,
-                 e_scale: float, loss_scale: float, max_evaluations: int) -> None:
+                 e_scale: float, loss_scale: float, max_evaluations: int,
+                 unit: float = U, grad_rtol: float = RTOL) -> None:
         self.loss_along = loss_along
         self.grad = grad
         self.rng = np.random.default_rng(seed)
         self.loss_scale = loss_scale
         self.max_evaluations = max_evaluations
-        self.t_min, self.t_max = STEP_RANGE[0] * e_scale, STEP_RANGE[1] * e_scale
+        self.unit, self.grad_rtol = unit, grad_rtol
+        # A loss computed at a coarser precision than float64 rounds by unit, not U: below
+        # sqrt(unit / U) times the float64 floor a step only measures that rounding.
+        self.t_min = STEP_RANGE[0] * e_scale * math.sqrt(unit / U)
+        self.t_max = STEP_RANGE[1] * e_scale
         self.evaluations = 0
         self.probes = 0
         self.worst = 0.0
@@ -240,9 +245,9 @@ class _Tester:
             # and L0 (h^2 = 0, 1, 4, 16 in units of (t/4)^2): what the fit cannot explain is
             # rounding, up to a c6 t^6 / 64 smooth part.
             residual = self.l0 - 64 / 45 * even[0.25] + 4 / 9 * even[0.5] - even[1] / 45
-            eta = max(KAPPA * U * lam, abs(residual) / RESIDUAL_GAIN)
+            eta = max(KAPPA * self.unit * lam, abs(residual) / RESIDUAL_GAIN)
             noise = NOISE_GAIN * eta / t
-            allowed = SAFETY * (trunc + noise + dot) + RTOL * mag
+            allowed = SAFETY * (trunc + noise + dot) + self.grad_rtol * mag
             disagreement = abs(fd - pred)
             if allowed > 0:
                 ratio = disagreement / allowed
@@ -255,7 +260,7 @@ class _Tester:
             grow = 4.0 if first else 2.0
             # Balanced against the modelled rounding: the measured floor grows with t^5 at
             # large steps (its smooth part) and would push the step up further.
-            modelled = NOISE_GAIN * KAPPA * U * lam / t
+            modelled = NOISE_GAIN * KAPPA * self.unit * lam / t
             r = trunc / modelled if modelled > 0 else math.inf
             if r < 1 / 8:
                 # The truncation error is hidden under rounding (trunc carries its own share of
@@ -281,7 +286,8 @@ class _Tester:
 
 def localize(loss_along: LossAlong, grad: NDArray[np.floating], *, seed: int,
              rows: NDArray[np.integer] | None = None, max_evaluations: int = 20_000,
-             e_scale: float = 1.0, loss_scale: float = 1.0) -> Localization:
+             e_scale: float = 1.0, loss_scale: float = 1.0, unit: float = U,
+             grad_rtol: float = RTOL) -> Localization:
     """Find the rows of a claimed gradient ``grad`` [V, d] that disagree with the loss.
 
     ``loss_along(rows, D, t)`` must return ``L(E + t * D_full)`` where ``D_full`` is zero
@@ -292,7 +298,10 @@ def localize(loss_along: LossAlong, grad: NDArray[np.floating], *, seed: int,
     starting set is cleared only by two agreeing directions).  Set
     ``e_scale`` to the typical magnitude of E's entries and ``loss_scale`` to the size of the
     terms the loss is computed from when that exceeds 1 and the loss itself (see the module
-    docstring for the tolerance).  The result depends only on ``seed`` and the loss.
+    docstring for the tolerance).  ``unit`` is the unit roundoff the loss is really
+    computed at (float64's by default; a float32 model's loss rounds by 2**-24) and
+    ``grad_rtol`` the claimed gradient's own relative rounding (a float32 backward's is far
+    above float64's ``RTOL``).  The result depends only on ``seed`` and the loss.
 
     Raises ``NonFiniteLoss`` when ``loss_along`` returns NaN/inf, ``BudgetExceeded`` after
     ``max_evaluations`` evaluations, ``ValueError`` for a bad ``grad``/``rows``.
@@ -316,7 +325,11 @@ def localize(loss_along: LossAlong, grad: NDArray[np.floating], *, seed: int,
                           or todo.min() < 0 or todo.max() >= V):
             raise ValueError(f"localize: rows must be integers in [0, {V}), got {todo[:8]}")
         todo = np.unique(todo).astype(np.intp)  # sorted: halves are contiguous row ranges
-    tester = _Tester(loss_along, G, seed, e_scale, loss_scale, max_evaluations)
+    if not (0 < unit < 1 and 0 <= grad_rtol < 1):
+        raise ValueError(f"localize: unit and grad_rtol must be in (0, 1), got {unit!r}, "
+                         f"{grad_rtol!r}")
+    tester = _Tester(loss_along, G, seed, e_scale, loss_scale, max_evaluations, unit,
+                     grad_rtol)
     if todo.size:
         _search(tester, todo, FIRST_STEP * e_scale)
     return Localization(wrong_rows=tuple(sorted(tester.found)), evaluations=tester.evaluations,

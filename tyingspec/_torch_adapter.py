@@ -1,40 +1,47 @@
 """The torch kind's call: one batch through a user's ``nn.Module``, everything observed.
 
 Runs in the worker, where the user's code runs.  What it hands back is plain data: the tied
-Parameter's own gradient (``dE``), what was observed at the tie's two uses (the reference is
-built from it in the main process) and one :class:`~tyingspec._findings.Finding` per check
-beyond rows.  Every gradient is taken on a float64 deep copy in ``eval()`` mode (dropout off,
-so two passes are comparable); the user's module object is never edited.
+Parameter's own gradient (``dE``), what was observed at the tie's uses (the reference is built
+from it in the main process) and one :class:`~tyingspec._findings.Finding` per check beyond
+rows.
 
-The reference does not trust the model's backward at either use: forward hooks on the module
-owning each use record ``dx`` (the gradient reaching the embedding's output) and ``h``, ``g``
-(the head's input and the gradient reaching its output), so the input path is the scatter-add
-of ``dx`` (minus ``padding_idx`` positions, the model's own semantics) and the output path is
-``g.T @ h``.  When a use is not a plain lookup or linear map the hooks cannot vouch for it and
-the paths come from ``torch.func.functional_call(..., tie_weights=False)`` instead (the
-model's own backward of each use, checked against the forward by directional differences).
+A check runs the path that trains: every model is rebuilt from the target's factory (never
+deep-copied), in the dtype it trains in (or the ``--precision`` asked for, where it converts),
+in ``train()`` mode with every dropout probability set to 0 and torch's generator reseeded
+before each pass, with the model's own loss (``labels=``, ``targets``) and the target's
+``after_backward``.  Its gradient is judged at its own precision, with the same bounds as the
+other kinds.
+
+The reference does not trust the model's backward at either use: every use of the tied
+Parameter is observed where torch dispatches it (see :mod:`tyingspec._torch_uses`), so the
+input path is the scatter-add of each lookup's ``dx`` (under torch's semantics for the lookup's
+``padding_idx`` and ``scale_grad_by_freq``) and the output path is ``g.T @ h`` over every head.
+When a use cannot be observed (a custom ``autograd.Function``, a detached read, an operation
+the observer does not know), the paths come from ``torch.func.functional_call(...,
+tie_weights=False)`` instead (the model's own backward of each use), and the verdict rests on
+the forward check: directional differences of the loss, in float64 where the model converts,
+at the precision its loss is really computed at otherwise.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ._adapters import AdapterError, Returned
 from ._diagnosis import Label
+from ._tolerance import Precision, precision_of
 from ._findings import Finding, failed, not_applicable, passed
 from ._torch_model import Tie, as_target, build_model, describe, loss_function, owner
 from ._torch_target import TorchTarget
 
 #: The checks one call can run; a property asks for its own, ``tyingspec check`` for all.
-CHECKS = ("identity", "optimizer", "gradient", "forward", "fresh", "micro_batches")
+CHECKS = ("identity", "optimizer", "gradient", "forward", "fresh", "micro_batches", "steps")
 
 Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -43,14 +50,6 @@ Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 _STRUCTURAL: dict[tuple[str, str], list[Finding]] = {}
 
 _U64 = float(np.finfo(np.float64).eps) / 2
-
-
-def _close(a: np.ndarray, e: np.ndarray, count: int) -> bool:
-    """float64 agreement of two gradients summed over ``count`` terms in different orders:
-    atol from the largest entry, rtol from the entry itself, both ~ count * u."""
-    scale = float(np.abs(e).max(initial=0.0))
-    rtol = 8 * _U64 * count
-    return bool(np.all(np.abs(a - e) <= rtol * scale + rtol * np.abs(e) + 1e-300))
 
 
 def _numpy(t: torch.Tensor | None, shape: tuple[int, ...]) -> np.ndarray:
@@ -66,10 +65,11 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     torch.set_num_threads(1)
     target = as_target(spec, fn)
     seed = int(inputs.get("seed", 0))
-    model = build_model(spec, target, seed)
+    build = Build(spec, target, seed, str(inputs.get("precision", "auto")))
+    model = build.fresh()
     tie, found = describe(spec, model, target)
     if inputs.get("mode") == "describe":
-        return Returned(np.zeros((0, 0)), (), "float64", evidence={"tie": asdict(tie)},
+        return Returned(np.zeros((0, 0)), (), build.precision, evidence={"tie": asdict(tie)},
                         findings=(found,))
     B = tie.batch_size
     tokens = np.asarray(inputs["tokens"], dtype=np.int64)
@@ -78,9 +78,13 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
         raise AdapterError(spec, "the batch does not split into the model's batch size",
                            key="tokens", expected=f"a multiple of {B} tokens",
                            got=f"{tokens.size} tokens")
+    bad = tokens[(tokens < 0) | (tokens >= tie.vocab)]
+    if bad.size:
+        raise AdapterError(spec, "token ids outside the model's vocabulary", key="tokens",
+                           expected=f"ids in [0, {tie.vocab})", got=f"{bad[:8].tolist()}")
     t = torch.from_numpy(tokens.reshape(B, -1).copy())
     y = torch.from_numpy(targets.reshape(B, -1).copy())
-    loss_of = _scalar(spec, loss_function(target, tie))
+    loss_of = _scalar(spec, loss_function(target, tie), seed, target.after_backward)
     checks = tuple(inputs.get("checks", CHECKS))
     findings: list[Finding] = [found]
     if found.failed:  # no tie: nothing to keep identical, and two tensors for the optimizer
@@ -88,24 +92,99 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     for group in ("identity", "optimizer"):
         if group in checks:
             findings += _structural(spec, target, seed, tie, group, loss_of, t, y)
-    base = copy.deepcopy(model).to(torch.float64).eval()
-    evidence, own, loss = _observe_paths(spec, base, tie, loss_of, t, y)
-    if evidence["observed_by"] != "hooks":
+    evidence, own, loss = _observe_paths(build, model, tie, loss_of, t, y)
+    unit = _unit(build.dtype)
+    if evidence["observed_by"] != "uses":
         findings.append(not_applicable(
             "gradient by path", "the tied gradient is the input path's scatter-add of dx plus "
             "the output path's g.T @ h, row by row",
-            "a use of the tied weight is not a plain nn.Embedding lookup or linear head module "
-            "(a custom autograd.Function or a direct read of the weight), so dx, h and g cannot "
-            "be observed; the tied gradient is checked against the forward instead"))
+            f"a use of the tied weight cannot be observed ({evidence['why']}), so dx, h and g "
+            "cannot be vouched for; the tied gradient is checked against the forward instead"))
     if "forward" in checks:
-        findings.append(_against_forward(base, tie, loss_of, t, y, own, seed,
-                                         bool(evidence.get("input_reached", True))))
+        findings.append(_against_forward(build, tie, loss_of, t, y, own, seed,
+                                         bool(evidence.get("input_reached", True)),
+                                         _rows_read(model, evidence, t, y)))
     if "fresh" in checks:
-        findings.append(_fresh(base, tie, loss_of, t, y, own))
+        findings.append(_fresh(build, tie, loss_of, t, y, unit))
     if "micro_batches" in checks:
-        findings.append(_micro_batches(base, tie, loss_of, t, y, own))
+        findings.append(_micro_batches(build, tie, loss_of, t, y, own, unit))
+    if "steps" in checks:
+        findings.append(_training_steps(build, target, tie, loss_of, t, y))
     evidence["tie"] = asdict(tie)
-    return Returned(own, (), "float64", loss=loss, evidence=evidence, findings=tuple(findings))
+    return Returned(own, (), build.precision, loss=loss, evidence=evidence,
+                    findings=tuple(findings))
+
+
+class Build:
+    """Fresh models from the target's factory, as the user trains them: in the model's own
+    dtype (or the one asked for, where the model converts), in ``train()`` mode with every
+    dropout probability set to 0 (``nn.Dropout`` modules and the ``*dropout*``/``*pdrop*``
+    floats that transformers' attention reads), so that two passes are comparable.  Each
+    model is built anew, never deep-copied: a deep copy keeps closures over the original
+    module (minGPT's ``Block.mlpf`` lambda), and the checks must see the user's own model."""
+
+    def __init__(self, spec: str, target: TorchTarget, seed: int, precision: str) -> None:
+        self.spec, self.target, self.seed = spec, target, seed
+        self.asked = precision if precision in _DTYPES else None
+        self.dtype: torch.dtype | None = None  # the dtype the model trains in, once known
+
+    @property
+    def precision(self) -> Precision:
+        return precision_of(str(self.dtype or torch.float64).removeprefix("torch."))
+
+    def fresh(self, dtype: torch.dtype | None = None) -> nn.Module:
+        model = build_model(self.spec, self.target, self.seed)
+        want = dtype or (_DTYPES[self.asked] if self.asked else None)
+        if want is not None:
+            try:
+                model = model.to(want)
+            except Exception:  # noqa: BLE001  (a model that cannot convert keeps its own)
+                if dtype is not None:
+                    raise
+        if self.dtype is None:
+            self.dtype = _float_dtype(model)
+        _train_without_dropout(model)
+        return model
+
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype most of the model's parameters hold (what it trains in)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=lambda k: counts[k]) if counts else torch.float32
+
+
+def _train_without_dropout(model: nn.Module) -> None:
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if isinstance(value, float) and _is_dropout(name):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "__dict__"):
+        for name, value in list(vars(config).items()):
+            if isinstance(value, float) and value and _is_dropout(name):
+                try:
+                    setattr(config, name, 0.0)
+                except Exception:  # noqa: BLE001  (a frozen config: its modules were zeroed)
+                    pass
+
+
+def _is_dropout(name: str) -> bool:
+    low = name.lower()
+    return "dropout" in low or "pdrop" in low or low.endswith("_drop") or "drop_path" in low
+
+
+def _unit(dtype: torch.dtype | None) -> float:
+    return float(torch.finfo(dtype or torch.float64).eps) / 2
 
 
 def _structural(spec: str, target: TorchTarget, seed: int, tie: Tie, group: str,
@@ -124,20 +203,43 @@ def _structural(spec: str, target: TorchTarget, seed: int, tie: Tie, group: str,
         _STRUCTURAL[key] = identity_findings(
             factory, tie.embedding, tie.head, retie=target.retie, loss_of=loss_at) \
             if group == "identity" else optimizer_findings(
-                factory, tie.embedding, tie.head, optimizer=target.optimizer, loss_of=loss_at)
+                factory, tie.embedding, tie.head, optimizer=target.optimizer, loss_of=loss_at,
+                spec=spec)
     return _STRUCTURAL[key]
 
 
-def _scalar(spec: str, loss_of: Loss) -> Loss:
-    """``loss_of`` that names the target when the model's loss is not a scalar tensor (every
-    check, identity and optimizer included, takes its loss through it)."""
+def _scalar(spec: str, loss_of: Loss, seed: int,
+            after_backward: Callable[[nn.Module], None] | None) -> Loss:
+    """``loss_of`` that reseeds torch's generator before every pass (so a dropout the check
+    could not switch off draws the same masks each time), names the target when the model's
+    loss is not a finite scalar tensor (every check, identity and optimizer included, takes
+    its loss through it), and runs the target's ``after_backward`` once the loss's backward
+    has run."""
     def checked(m: nn.Module, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = loss_of(m, t, y)
+        torch.manual_seed(seed + 1)
+        try:
+            loss = loss_of(m, t, y)
+        except AdapterError:
+            raise
+        except Exception as exc:
+            raise AdapterError(spec, "the model's forward raised", key="forward",
+                               got=f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise AdapterError(spec, "the loss is not a scalar tensor",
                                expected="a 0-dim tensor", got=repr(loss)[:80])
+        if after_backward is not None and loss.requires_grad:
+            loss.register_hook(  # type: ignore[no-untyped-call]
+                lambda g: _after(m, after_backward))
         return loss
     return checked
+
+
+def _after(model: nn.Module, after_backward: Callable[[nn.Module], None]) -> None:
+    # a hook on the loss fires first in its backward; what must run after the whole backward
+    # is queued on the autograd engine's final callbacks
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(lambda: after_backward(model))
 
 
 def _backward(m: nn.Module, loss_of: Loss, t: torch.Tensor, y: torch.Tensor,
@@ -151,100 +253,77 @@ def _grad(m: nn.Module, tie: Tie) -> np.ndarray:
     return _numpy(m.get_parameter(tie.embedding).grad, (tie.vocab, tie.width))
 
 
-def _observe_paths(spec: str, base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
+def _observe_paths(build: Build, m: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
                    y: torch.Tensor) -> tuple[dict[str, Any], np.ndarray, float]:
-    """The model's own tied gradient, and dx, h, g recorded at the two uses."""
-    m = copy.deepcopy(base)
-    emb_mod, head_mod = owner(m, tie.embedding), owner(m, tie.head)
+    """The model's own tied gradient, and dx, h, g recorded at every use of the tied
+    Parameter (see :mod:`tyingspec._torch_uses`)."""
+    from ._torch_uses import observed_uses
+
     E = m.get_parameter(tie.embedding)
-    seen: dict[str, list[Any]] = {"ids": [], "x": [], "dx": [], "h": [], "out": [], "g": []}
-
-    def on_embedding(_mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if isinstance(out, torch.Tensor) and out.requires_grad and args:
-            seen["ids"].append(args[0].detach().reshape(-1))
-            seen["x"].append(out.detach().reshape(-1, out.shape[-1]))
-            slot = len(seen["x"]) - 1
-            out.register_hook(  # type: ignore[no-untyped-call]
-                lambda g, s=slot: _store(seen["dx"], s, g))
-
-    def on_head(_mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if isinstance(out, torch.Tensor) and out.requires_grad and args:
-            seen["h"].append(args[0].detach().reshape(-1, args[0].shape[-1]))
-            seen["out"].append(out.detach().reshape(-1, out.shape[-1]))
-            slot = len(seen["out"]) - 1
-            out.register_hook(  # type: ignore[no-untyped-call]
-                lambda g, s=slot: _store(seen["g"], s, g))
-
-    handles = [emb_mod.register_forward_hook(on_embedding),
-               head_mod.register_forward_hook(on_head)]
-    try:
-        m.zero_grad(set_to_none=True)
-        loss = float(_backward(m, loss_of, t, y).detach())
-    finally:
-        for handle in handles:
-            handle.remove()
+    m.zero_grad(set_to_none=True)
+    with observed_uses(E) as uses:
+        loss_t = loss_of(m, t, y)
+    loss_t.backward()  # type: ignore[no-untyped-call]
+    loss = float(loss_t.detach())
     own = _grad(m, tie)
-    W = E.detach()
-    bias = getattr(head_mod, "bias", None)
-    lookups = _usable_lookups(seen, W)
-    heads = _usable_heads(seen, W, bias if isinstance(bias, torch.Tensor) else None)
-    evidence: dict[str, Any] = {"observed_by": "hooks"}
-    if lookups is not None and heads is not None:
-        ids, dx = lookups
-        if tie.padding_idx is not None:
-            dx[ids == tie.padding_idx] = 0.0  # nn.Embedding(padding_idx=p): model semantics
-        h, g = heads
-        evidence.update(tokens=ids, dx=dx, h=h, g=g)
+    why = uses.problem()
+    evidence: dict[str, Any] = {"least_precise": str(uses.least_precise).removeprefix("torch.")}
+    if why is None:
+        ids, dx = _input_rows(uses.lookups, tie.vocab)
+        h = torch.cat([u["h"] for u in uses.heads]).to(torch.float64).numpy().copy()
+        g = torch.cat([u["g"] for u in uses.heads]).to(torch.float64).numpy().copy()
+        evidence.update(observed_by="uses", tokens=ids, dx=dx, h=h, g=g,
+                        lookups=len(uses.lookups), heads=len(uses.heads))
     else:
-        evidence.update(_untied_split(base, tie, loss_of, t, y))
+        evidence.update(_untied_split(build, tie, loss_of, t, y), why=why)
     return evidence, own, loss
 
 
-def _store(slots: list[Any], slot: int, g: torch.Tensor) -> None:
-    while len(slots) <= slot:
-        slots.append(None)
-    slots[slot] = g.detach().reshape(-1, g.shape[-1])
+def _rows_read(model: nn.Module, evidence: dict[str, Any], t: torch.Tensor,
+               y: torch.Tensor) -> frozenset[int]:
+    if evidence.get("observed_by") == "uses":
+        return frozenset(int(i) for i in np.unique(evidence["tokens"]))
+    start = getattr(getattr(model, "config", None), "decoder_start_token_id", None)
+    rows = set(tokens_of(t).tolist()) | set(tokens_of(y).tolist())
+    return frozenset(rows | ({int(start)} if isinstance(start, int) else set()))
 
 
-def _usable_lookups(seen: dict[str, list[Any]], W: torch.Tensor,
-                    ) -> tuple[np.ndarray, np.ndarray] | None:
-    """(ids, dx) when every recorded call of the embedding module was a plain lookup W[ids]
-    and every one received a gradient."""
-    if not seen["x"] or len(seen["dx"]) != len(seen["x"]) or any(g is None for g in seen["dx"]):
-        return None
-    for ids, x in zip(seen["ids"], seen["x"]):
-        if ids.dtype not in (torch.int64, torch.int32) or x.shape[-1] != W.shape[1] or \
-                not torch.allclose(x, W[ids.long()], rtol=1e-12, atol=1e-12):
-            return None
-    ids = torch.cat([i.long() for i in seen["ids"]]).numpy().copy()
-    dx = torch.cat(seen["dx"]).to(torch.float64).numpy().copy()
-    return ids, dx
+def _input_rows(lookups: list[dict[str, Any]], V: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids and dx of every lookup, under torch's own semantics for the options it was
+    called with: positions reading ``padding_idx`` add nothing, and ``scale_grad_by_freq``
+    divides each position's gradient by its token's count in that call."""
+    all_ids, all_dx = [], []
+    for u in lookups:
+        ids = u["ids"].numpy().astype(np.int64)
+        dx = u["dx"].to(torch.float64).numpy().copy()
+        pad = u.get("padding_idx")
+        if pad is not None:
+            pad = int(pad) + (V if int(pad) < 0 else 0)
+            dx[ids == pad] = 0.0
+        if u.get("scale_grad_by_freq"):
+            dx /= np.bincount(ids, minlength=V)[ids][:, None]
+        all_ids.append(ids)
+        all_dx.append(dx)
+    return np.concatenate(all_ids), np.concatenate(all_dx)
 
 
-def _usable_heads(seen: dict[str, list[Any]], W: torch.Tensor, bias: torch.Tensor | None,
-                  ) -> tuple[np.ndarray, np.ndarray] | None:
-    """(h, g) when every recorded call of the head module computed h @ W.T (+ bias)."""
-    if not seen["out"] or len(seen["g"]) != len(seen["out"]) or any(g is None for g in seen["g"]):
-        return None
-    for h, out in zip(seen["h"], seen["out"]):
-        if h.shape[-1] != W.shape[1] or out.shape[-1] != W.shape[0]:
-            return None
-        expect = F.linear(h.to(W.dtype), W, bias)
-        if not torch.allclose(out, expect, rtol=1e-10, atol=1e-10 * float(expect.abs().max())):
-            return None
-    h = torch.cat(seen["h"]).to(torch.float64).numpy().copy()
-    g = torch.cat(seen["g"]).to(torch.float64).numpy().copy()
-    return h, g
-
-
-def _untied_split(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
+def _untied_split(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
                   y: torch.Tensor) -> dict[str, Any]:
-    """Each use's gradient from the model's own backward, the uses handed separate copies."""
+    """Each use's gradient from the model's own backward, the uses handed separate copies:
+    every name of the tied Parameter whose module reads rows gets one copy, every other name
+    another."""
     from torch.func import functional_call
 
+    base = build.fresh()
     E = base.get_parameter(tie.embedding).detach()
+    names = [n for n, p in base.named_parameters(remove_duplicate=False)
+             if p is base.get_parameter(tie.embedding)]
     E_in = E.clone().requires_grad_(True)
     E_out = E.clone().requires_grad_(True)
+    given = {n: E_in if isinstance(owner(base, n), nn.Embedding) or n == tie.embedding else
+             E_out for n in names}
+    if tie.head not in names:  # two Parameters (a copy): the head's own name
+        given[tie.head] = E_out
 
     class Untied(nn.Module):
         def __init__(self) -> None:
@@ -252,8 +331,7 @@ def _untied_split(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
             self.inner = base
 
         def forward(self, *args: Any, **kwargs: Any) -> Any:
-            return functional_call(base, {tie.embedding: E_in, tie.head: E_out}, args, kwargs,
-                                   tie_weights=False)
+            return functional_call(base, given, args, kwargs, tie_weights=False)
 
     loss = loss_of(Untied(), t, y)
     d_in, d_out = torch.autograd.grad(loss, (E_in, E_out), allow_unused=True)
@@ -265,22 +343,49 @@ def _untied_split(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
             "output_reached": d_out is not None}
 
 
-def _against_forward(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
+def _forward_model(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
+                   y: torch.Tensor) -> tuple[nn.Module, float]:
+    """The model the forward check differences, and the unit roundoff its loss is really
+    computed at: a float64 build where the model converts and runs in float64 (central
+    differences are far sharper there), else the model in the dtype it trains in."""
+    from ._torch_uses import observed_uses
+
+    for dtype in (torch.float64, None):
+        try:
+            m = build.fresh(dtype)
+            E = m.get_parameter(tie.embedding)
+            with torch.no_grad(), observed_uses(E) as uses:
+                value = loss_of(m, t, y)
+            if dtype is not None and not bool(torch.isfinite(value)):
+                continue
+            return m, _unit(uses.least_precise)
+        except Exception:  # noqa: BLE001  (no float64 kernel: the model's own dtype)
+            if dtype is None:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _against_forward(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
                      y: torch.Tensor, own: np.ndarray, seed: int,
-                     input_reached: bool = True) -> Finding:
+                     input_reached: bool = True, read: frozenset[int] = frozenset()) -> Finding:
+    """``read``: the rows the lookups read (observed, or, where the uses could not be
+    observed, the tokens, the targets an encoder-decoder's decoder reads and its start
+    token)."""
     from ._localize import BudgetExceeded, localize
 
     check = "gradient against the forward"
     invariant = ("the tied gradient agrees with directional central differences of the "
-                 "loss (float64), row sets split until the disagreeing rows are found")
-    m = copy.deepcopy(base)
+                 "loss, row sets split until the disagreeing rows are found")
+    m, unit = _forward_model(build, tie, loss_of, t, y)
     E = m.get_parameter(tie.embedding)
+    e_scale = float(E.detach().double().std()) or 1.0
 
     def loss_along(rows: np.ndarray, D: np.ndarray, step: float) -> float:
         idx = torch.from_numpy(np.asarray(rows, dtype=np.int64))
         with torch.no_grad():
             saved = E[idx].clone()
-            E[idx] = saved + step * torch.from_numpy(np.asarray(D, dtype=np.float64))
+            E[idx] = (saved.double() + step * torch.from_numpy(
+                np.asarray(D, dtype=np.float64))).to(E.dtype)
             try:
                 return float(loss_of(m, t, y))
             finally:
@@ -288,13 +393,18 @@ def _against_forward(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
 
     rows = np.arange(tie.vocab)
     pad = tie.padding_idx
-    if pad is not None and np.any(tokens_of(t) == pad):
-        # padding_idx: the forward reads row p at padding positions, the backward skips that
-        # use by design; its directional derivative is not the model's gradient there
+    if pad is not None and pad in read:
+        # padding_idx: the forward reads row p wherever a lookup is handed p, the backward
+        # skips that use by design; its directional derivative is not the model's gradient
+        # there.  Where no lookup reads p, row p carries the output path alone and is checked.
         rows = rows[rows != pad]
+    # the claimed gradient was rounded at the precision it was computed in, over sums of up
+    # to one term per position and row
+    grad_rtol = max(2.0**-40, 64 * _unit(build.dtype))
+    budget = fd_budget(tie.vocab)
     try:
-        budget = fd_budget(tie.vocab)
-        found = localize(loss_along, own, seed=seed, rows=rows, max_evaluations=budget)
+        found = localize(loss_along, own, seed=seed, rows=rows, max_evaluations=budget,
+                         e_scale=e_scale, unit=unit, grad_rtol=grad_rtol)
     except BudgetExceeded as exc:
         # many wrong rows: the rows confirmed so far, and how many are left undecided
         label, why = _pattern(list(exc.found), tokens_of(t), tie, input_reached, partial=True)
@@ -302,13 +412,21 @@ def _against_forward(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
                       f"rows {list(exc.found)[:16]} (and {exc.unresolved} rows not yet "
                       f"decided) disagree with the forward{why} (stopped at the budget of "
                       f"{budget} forward evaluations)", budget)
+    at = f"loss at unit roundoff {unit:.2g}"
     if not found.wrong_rows:
-        return passed(check, invariant, f"{found.evaluations} forward evaluations",
+        if found.worst > 1:
+            # a set disagreed and no single row could be confirmed: what was seen to disagree
+            # is never cleared by the sets that agreed after it
+            return failed(check, invariant, "gradient_disagrees_with_forward",
+                          f"a set of rows disagreed with the forward ({found.worst:.3g}x its "
+                          f"tolerance) but no single row could be confirmed; {at}, "
+                          f"{found.evaluations} forward evaluations", found.evaluations)
+        return passed(check, invariant, f"{found.evaluations} forward evaluations, {at}",
                       found.evaluations)
     label, why = _pattern(list(found.wrong_rows), tokens_of(t), tie, input_reached)
     return failed(check, invariant, label,
                   f"rows {list(found.wrong_rows)[:16]} disagree with the forward{why} "
-                  f"({found.evaluations} forward evaluations)", found.evaluations)
+                  f"({found.evaluations} forward evaluations, {at})", found.evaluations)
 
 
 def tokens_of(t: torch.Tensor) -> np.ndarray:
@@ -330,6 +448,10 @@ def _pattern(wrong: list[int], tokens: np.ndarray, tie: Tie,
     present = {int(v) for v in np.flatnonzero(counts)}
     repeated = {int(v) for v in np.flatnonzero(counts > 1)}
     rows = set(wrong)
+    if not rows:
+        # no row confirmed: no pattern of rows to name (the empty set is a subset of every
+        # catalogue pattern, and matches none)
+        return "gradient_disagrees_with_forward", ""
     if tie.padding_idx is not None and rows == {tie.padding_idx}:
         return "padding_row_masked", (f": row {tie.padding_idx} is padding_idx, whose output "
                                       "path is masked too")
@@ -343,51 +465,125 @@ def _pattern(wrong: list[int], tokens: np.ndarray, tie: Tie,
     return "gradient_disagrees_with_forward", ""
 
 
-def _fresh(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor, y: torch.Tensor,
-           own: np.ndarray) -> Finding:
+def _close(a: np.ndarray, e: np.ndarray, count: int, unit: float = _U64) -> bool:
+    """Agreement of two gradients summed over ``count`` terms in different orders, at the
+    unit roundoff they were computed in: atol from the largest entry, rtol from the entry
+    itself, both ~ count * unit."""
+    scale = float(np.abs(e).max(initial=0.0))
+    rtol = 8 * unit * count
+    return bool(np.all(np.abs(a - e) <= rtol * scale + rtol * np.abs(e) + 1e-300))
+
+
+def _count(t: torch.Tensor, tie: Tie) -> int:
+    return int(t.numel()) * tie.width + tie.vocab
+
+
+def _fresh(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor, y: torch.Tensor,
+           unit: float) -> Finding:
     check = "fresh gradient"
     invariant = "two backward passes, each after zero_grad(), give the same gradient"
-    m = copy.deepcopy(base)
+    m = build.fresh()
     grads = []
     for _ in range(2):
         m.zero_grad()
         _backward(m, loss_of, t, y)
         grads.append(_grad(m, tie))
-    count = int(t.numel()) * tie.width + tie.vocab
-    if _close(grads[1], grads[0], count):
+    count = _count(t, tie)
+    if _close(grads[1], grads[0], count, unit):
         return passed(check, invariant)
-    if _close(grads[1] - grads[0], grads[0], count):
+    if _close(grads[1] - grads[0], grads[0], count, unit):
         return failed(check, invariant, "gradient_not_zeroed",
                       "the second pass returned the first pass's gradient plus its own: a "
                       "buffer behind the tied gradient survives zero_grad()")
     return failed(check, invariant, "unknown", "the two passes differ (not by the first pass): "
-                  "the backward is not deterministic in eval() mode")
+                  "the backward is not deterministic in train() mode with dropout off")
 
 
-def _micro_batches(base: nn.Module, tie: Tie, loss_of: Loss, t: torch.Tensor,
-                   y: torch.Tensor, own: np.ndarray) -> Finding:
+def _micro_batches(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
+                   y: torch.Tensor, own: np.ndarray, unit: float) -> Finding:
     check = "micro-batches accumulate"
     invariant = ("k micro-batches, each backward of loss / k, sum to the gradient of one batch "
-                 "holding them all")
+                 "holding them all (one sequence: two calls sum to the sum of their gradients)")
     k = int(t.shape[0])
+    count = _count(t, tie)
     if k < 2:
-        return not_applicable(check, invariant, "the batch has one sequence (batch_size=1)")
-    m = copy.deepcopy(base)
-    m.zero_grad()
-    for i in range(k):
-        _backward(m, loss_of, t[i:i + 1], y[i:i + 1], 1.0 / k)
-    total = _grad(m, tie)
-    count = int(t.numel()) * tie.width + tie.vocab
-    if _close(total, own, count):
-        return passed(check, invariant, f"k = {k}")
-    last = copy.deepcopy(base)
-    last.zero_grad()
-    _backward(last, loss_of, t[k - 1:], y[k - 1:], 1.0 / k)
-    if _close(total, _grad(last, tie), count):
+        # one sequence per batch: two calls on two batches, accumulated, against the sum of
+        # each one's own gradient (a `.grad =` keeps the last call's alone)
+        t2, y2 = t.flip(-1), y.flip(-1)
+        parts = []
+        for tt, yy in ((t, y), (t2, y2)):
+            one = build.fresh()
+            _backward(one, loss_of, tt, yy, 0.5)
+            parts.append(_grad(one, tie))
+        m = build.fresh()
+        _backward(m, loss_of, t, y, 0.5)
+        _backward(m, loss_of, t2, y2, 0.5)
+        total, expected, last = _grad(m, tie), parts[0] + parts[1], parts[1]
+    else:
+        m = build.fresh()
+        for i in range(k):
+            _backward(m, loss_of, t[i:i + 1], y[i:i + 1], 1.0 / k)
+        total, expected = _grad(m, tie), own
+        one = build.fresh()
+        _backward(one, loss_of, t[k - 1:], y[k - 1:], 1.0 / k)
+        last = _grad(one, tie)
+    if _close(total, expected, count, unit):
+        return passed(check, invariant, f"k = {max(k, 2)}")
+    if _close(total, last, count, unit):
         return failed(check, invariant, "gradient_assigned",
-                      f"after {k} micro-batches the tied gradient is the last one's alone: "
-                      "the gradient is assigned (`.grad =`), not added, so earlier "
+                      f"after {max(k, 2)} micro-batches the tied gradient is the last one's "
+                      "alone: the gradient is assigned (`.grad =`), not added, so earlier "
                       "micro-batches are lost")
     return failed(check, invariant, "unknown",
-                  f"{k} micro-batches do not sum to the whole batch's gradient")
+                  f"{max(k, 2)} micro-batches do not sum to the whole batch's gradient")
 
+
+#: Optimizer steps a training loop takes before the gradient it then computes is judged: a
+#: lookup that switches kernels after a few forwards, or state kept across steps, shows there.
+TRAINING_STEPS = 3
+
+
+def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
+                    t: torch.Tensor, y: torch.Tensor) -> Finding:
+    """A training loop's gradient after ``TRAINING_STEPS`` optimizer steps, judged row by row
+    against the reference built from that step's own uses, with the same engine."""
+    from ._cases import kernel_paths
+    from ._diagnosis import diagnose
+    from ._torch_uses import observed_uses
+
+    check = "gradient after training steps"
+    invariant = (f"after {TRAINING_STEPS} optimizer steps, the tied gradient is still the "
+                 "sum of both paths, row by row")
+    m = build.fresh()
+    try:
+        opt = target.optimizer(m) if target.optimizer is not None else \
+            torch.optim.SGD(m.parameters(), lr=1e-2)
+    except Exception as exc:
+        raise AdapterError(build.spec, "the target's optimizer raised", key="optimizer",
+                           got=f"{type(exc).__name__}: {exc}") from exc
+    for _ in range(TRAINING_STEPS):
+        opt.zero_grad()
+        _backward(m, loss_of, t, y)
+        try:
+            opt.step()
+        except Exception as exc:
+            raise AdapterError(build.spec, "the optimizer's step raised", key="optimizer",
+                               got=f"{type(exc).__name__}: {exc}") from exc
+    opt.zero_grad()
+    E = m.get_parameter(tie.embedding)
+    with observed_uses(E) as uses:
+        loss = loss_of(m, t, y)
+    loss.backward()  # type: ignore[no-untyped-call]
+    if uses.problem() is not None:
+        return not_applicable(check, invariant, f"the uses cannot be observed "
+                                                f"({uses.problem()})")
+    ids, dx = _input_rows(uses.lookups, tie.vocab)
+    h = torch.cat([u["h"] for u in uses.heads]).to(torch.float64).numpy()
+    g = torch.cat([u["g"] for u in uses.heads]).to(torch.float64).numpy()
+    paths = kernel_paths(ids, dx, h, g, tie.vocab, "float64")
+    diag = diagnose(_grad(m, tie), paths, dtype=build.precision)
+    if not diag.wrong:
+        return passed(check, invariant, f"{TRAINING_STEPS} steps of {type(opt).__name__}")
+    return failed(check, invariant, diag.label,
+                  f"after {TRAINING_STEPS} steps of {type(opt).__name__}: rows "
+                  f"{diag.wrong_rows[:16]} wrong ({diag.detail})")

@@ -270,7 +270,8 @@ def _stepped(factory: Callable[[], nn.Module], embedding: str, head: str,
 
 def optimizer_findings(factory: Callable[[], nn.Module], embedding: str, head: str, *,
                        optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None,
-                       loss_of: Callable[[nn.Module], torch.Tensor]) -> list[Finding]:
+                       loss_of: Callable[[nn.Module], torch.Tensor],
+                       spec: str = "") -> list[Finding]:
     """Whether SGD, AdamW and the target's own optimizer (if given) hold the tied Parameter
     exactly once, keep at most one state slot for it, and move it by exactly one update in
     one step (compared with the closed-form first step where the optimizer is known)."""
@@ -286,6 +287,12 @@ def optimizer_findings(factory: Callable[[], nn.Module], embedding: str, head: s
         try:
             findings.append(_one_optimizer(check, build, factory, embedding, head, loss_of))
         except Exception as exc:  # a crash is reported, not propagated
+            if build is optimizer:
+                # the user's own optimizer failing is never a pass: an adapter error (exit 2)
+                from ._adapters import AdapterError
+
+                raise AdapterError(spec, "the target's optimizer raised", key="optimizer",
+                                   got=_raised(exc)) from exc
             findings.append(not_applicable(check, _ONCE, f"the check raised {_raised(exc)}"))
     return findings
 

@@ -31,7 +31,11 @@ class TorchTarget:
     training optimizer from a model; ``retie`` restores the tie after a transformation that
     replaces parameters (``load_state_dict(assign=True)``, ``to_empty()``; default: the
     model's own ``tie_weights()`` if it has one).  ``batch_size`` and ``seq_len`` set the
-    batch shape (``seq_len`` defaults to the model's context length, at most 16).
+    batch shape (``seq_len`` defaults to the model's context length, at most
+    ``MAX_SEQ_LEN`` positions, and never more than its shortest position table).
+    ``after_backward(model)`` runs after every ``loss.backward()``, before the tied gradient
+    is read: the step a training stack runs to finish it (TransformerEngine's delayed
+    ``backward_dw``, a DeepSpeed-style gradient reducer).
     """
 
     model: Callable[[], Any]
@@ -42,6 +46,7 @@ class TorchTarget:
     retie: Callable[[Any], None] | None = None
     batch_size: int = 2
     seq_len: int | None = None
+    after_backward: Callable[[Any], None] | None = None
 
     def __call__(self) -> Any:
         """A fresh model: a target is a factory like any other."""

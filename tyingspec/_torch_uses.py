@@ -1,0 +1,222 @@
+"""Every use of the tied Parameter in one forward pass, observed where torch dispatches it.
+
+The reference needs, at each use of ``E``, what the model's own backward cannot fake: at a
+lookup, the token ids and the gradient ``dx`` reaching its output; at a head, its input ``h``
+and the gradient ``g`` reaching its output.  Module forward hooks see only what passes through
+a module's output, which is not ``E[ids]`` when the embedding module scales it (the Gemma
+family, BioGpt, ``scale_embedding``), and they miss functional heads (``F.linear(x, wte.weight)``,
+torchtune's ``TiedLinear``) and the other lookups of a Parameter three modules share (Bart's
+``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens``).
+
+So the pass runs under a ``TorchFunctionMode`` that sees every torch function given ``E``, or a
+tensor derived from it by a transpose or a dtype cast, and calls it unchanged:
+
+* a lookup: ``F.embedding`` / ``torch.embedding`` (whatever module calls it), ``E[ids]`` and
+  ``index_select(E, 0, ids)``; the ids are kept and a hook on the output records ``dx`` (torch
+  hands a tensor hook the gradient of the value it was registered on, so an in-place scale
+  afterwards, CTRL's ``x *= sqrt(d)``, is accounted for by autograd as it should be);
+* a head: ``F.linear(h, E)`` and ``h @ E.T`` (``matmul``, ``mm``, ``@``), with a hook on the
+  output recording ``g``;
+* anything else that takes ``E`` and returns a tensor, or a use whose output takes no gradient
+  (inside an ``autograd.Function``, under ``no_grad``, a detached weight), is a use the
+  reference cannot vouch for: it is named, and the check falls back to the model's own
+  backward of each use, checked against the forward.
+
+Nothing is replaced: the model computes exactly what it computes without the mode, and its own
+backward fills ``E.grad``.  The mode also records the least precise floating dtype any
+operation produced, which is the precision the loss is really computed at (transformers'
+``ForCausalLMLoss`` upcasts with ``.float()``, Llama's RMSNorm computes in float32, so a float64
+model is not always a float64 computation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Uses", "observed_uses"]
+
+#: Functions that read E's rows (the lookup) by their torch entry points.
+_LOOKUPS = {F.embedding, torch.embedding, torch.Tensor.__getitem__, torch.index_select,
+            torch.Tensor.index_select}
+#: h @ W.T for W = E (linear) or h @ X for X = E.T (the matmul family).
+_LINEAR = {F.linear, torch._C._nn.linear}
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
+           torch.Tensor.mm}
+#: A transpose of a 2-D tensor (the head's E.T).
+_TRANSPOSES = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__,  # type: ignore[attr-defined]
+               torch.Tensor.mT.__get__,  # type: ignore[attr-defined]
+               torch.Tensor.transpose, torch.transpose, torch.Tensor.permute, torch.permute}
+#: Functions that take a tensor as a template only (its dtype, device or shape): no use of E.
+_TEMPLATES = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+              torch.rand_like, torch.randn_like, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+              torch.Tensor.new_empty, torch.Tensor.new_full, torch.Tensor.new_tensor}
+#: Casts and copies the gradient passes through unchanged (up to rounding).
+_CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+          torch.Tensor.double, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor.contiguous,
+          torch.Tensor.clone}
+
+
+@dataclass
+class Uses:
+    """What one observed pass saw at the uses of the tied Parameter."""
+
+    lookups: list[dict[str, Any]] = field(default_factory=list)  # ids, dx slot, options
+    heads: list[dict[str, Any]] = field(default_factory=list)  # h, g slot
+    unobserved: list[str] = field(default_factory=list)  # uses no reference can vouch for
+    least_precise: torch.dtype = torch.float64  # of any floating result of the pass
+
+    def problem(self) -> str | None:
+        """Why the recorded uses cannot make the reference, or None."""
+        if self.unobserved:
+            return "; ".join(dict.fromkeys(self.unobserved))
+        if not self.lookups:
+            return "no lookup of the tied weight was seen"
+        if not self.heads:
+            return "no head use of the tied weight was seen"
+        missing = [i for i, u in enumerate(self.lookups) if u.get("dx") is None]
+        if missing:
+            return (f"lookup {missing[0] + 1} of {len(self.lookups)} never received a gradient "
+                    "at its output (detached, or unused)")
+        if any(u.get("g") is None for u in self.heads):
+            return "a head's output never received a gradient"
+        return None
+
+
+def _name(func: Any) -> str:
+    return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or func)
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, E: torch.Tensor, uses: Uses) -> None:
+        super().__init__()
+        # id -> (tensor, orientation): "E" for E or a cast of it, "T" for a transpose.  The
+        # tensor is held so that its id is not reused while the pass runs.
+        self.tracked: dict[int, tuple[torch.Tensor, str]] = {id(E): (E, "E")}
+        self.uses = uses
+
+    def _orientation(self, x: Any) -> str | None:
+        entry = self.tracked.get(id(x))
+        return None if entry is None or entry[0] is not x else entry[1]
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and \
+                out.dtype.itemsize < self.uses.least_precise.itemsize:
+            self.uses.least_precise = out.dtype
+        flat = list(args) + list(kwargs.values())
+        where = [(i, o) for i, a in enumerate(flat) if (o := self._orientation(a)) is not None]
+        if not where and any(isinstance(a, (list, tuple)) and
+                             any(self._orientation(b) is not None for b in a) for a in flat):
+            where = [(-1, "E")]  # inside a list argument (torch.cat([E, ...])): not a read
+        if not where or not isinstance(out, torch.Tensor):
+            return out  # E not involved, or a query of its metadata (shape, dtype, ...)
+        self._classify(func, args, kwargs, where, out)
+        return out
+
+    def _track(self, out: torch.Tensor, orientation: str) -> None:
+        self.tracked[id(out)] = (out, orientation)
+
+    def _classify(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  where: list[tuple[int, str]], out: torch.Tensor) -> None:
+        slot, orientation = where[0]
+        if func in _TEMPLATES or (func in (torch.Tensor.type_as, torch.Tensor.to)
+                                  and slot != 0):
+            return  # E gave its dtype, device or shape, not its values
+        if func in _CASTS:
+            if slot == 0:
+                self._track(out, orientation)
+                return
+        elif func in _TRANSPOSES and slot == 0 and out.dim() == 2:
+            self._track(out, "T" if orientation == "E" else "E")
+            return
+        elif func in _LOOKUPS and orientation == "E":
+            ids, options = self._lookup_ids(func, args, kwargs, slot)
+            if ids is not None:
+                self._lookup(func, ids, options, out)
+                return
+        elif func in _LINEAR and slot == 1 and orientation == "E" and len(where) == 1:
+            self._head(args[0], out)
+            return
+        elif func in _MATMUL and slot == 1 and orientation == "T" and len(where) == 1 and \
+                not kwargs:
+            self._head(args[0], out)
+            return
+        self.uses.unobserved.append(f"{_name(func)} of the tied weight")
+
+    def _lookup_ids(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    slot: int) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        if func is F.embedding and slot == 1:
+            names: tuple[str, ...] = ("padding_idx", "max_norm", "norm_type",
+                                      "scale_grad_by_freq", "sparse")
+            given = dict(zip(names, args[2:])) | kwargs
+            if given.get("max_norm") is not None:
+                return None, {}  # renormalises E in place: no longer a plain read
+            return args[0], {"padding_idx": given.get("padding_idx"),
+                             "scale_grad_by_freq": bool(given.get("scale_grad_by_freq"))}
+        if func is torch.embedding and slot == 0:
+            names = ("padding_idx", "scale_grad_by_freq", "sparse")
+            given = dict(zip(names, args[2:])) | kwargs
+            pad = given.get("padding_idx", -1)
+            # torch.embedding spells "no padding" as -1 (F.embedding normalises before it)
+            return args[1], {"padding_idx": None if pad == -1 else pad,
+                             "scale_grad_by_freq": bool(given.get("scale_grad_by_freq"))}
+        if func is torch.Tensor.__getitem__ and slot == 0 and len(args) == 2:
+            index = args[1]
+            if isinstance(index, torch.Tensor) and not index.is_floating_point() and \
+                    index.dtype != torch.bool:
+                return index, {}
+        if func in (torch.index_select, torch.Tensor.index_select) and slot == 0:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            index = args[2] if len(args) > 2 else kwargs.get("index")
+            if dim == 0 and isinstance(index, torch.Tensor):
+                return index, {}
+        return None, {}
+
+    def _lookup(self, func: Any, ids: torch.Tensor, options: dict[str, Any],
+                out: torch.Tensor) -> None:
+        if not out.requires_grad:
+            self.uses.unobserved.append(
+                f"a lookup ({_name(func)}) whose output takes no gradient (inside an "
+                "autograd.Function, under no_grad, or of a detached weight)")
+            return
+        record: dict[str, Any] = {"ids": ids.detach().reshape(-1).long().clone(),
+                                  "dx": None, **options}
+        self.uses.lookups.append(record)
+        out.register_hook(  # type: ignore[no-untyped-call]
+            lambda g, r=record: _store(r, "dx", g))
+
+    def _head(self, h: Any, out: torch.Tensor) -> None:
+        if not isinstance(h, torch.Tensor) or not out.requires_grad:
+            self.uses.unobserved.append("a head whose output takes no gradient")
+            return
+        record: dict[str, Any] = {"h": h.detach().reshape(-1, h.shape[-1]).clone(), "g": None}
+        self.uses.heads.append(record)
+        out.register_hook(  # type: ignore[no-untyped-call]
+            lambda g, r=record: _store(r, "g", g))
+
+
+def _store(record: dict[str, Any], key: str, g: torch.Tensor) -> None:
+    record[key] = g.detach().reshape(-1, g.shape[-1]).clone()
+
+
+class observed_uses:  # noqa: N801  (used as a context manager, like torch's modes)
+    """``with observed_uses(E) as uses: loss = ...``: the uses of ``E`` in that forward; the
+    gradients at them arrive when the loss's backward runs (after the block)."""
+
+    def __init__(self, E: torch.Tensor) -> None:
+        self.uses = Uses()
+        self._mode = _Mode(E, self.uses)
+
+    def __enter__(self) -> Uses:
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
+        return self.uses
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)  # type: ignore[no-untyped-call]
