@@ -428,7 +428,6 @@ def inspect(ckpt: Checkpoint, config: dict[str, Any] | None = None,
     e = ckpt.tensors.get(emb) if emb is not None else None
     h = ckpt.tensors.get(hd) if hd is not None else None
     config_ties = _config_ties(config) if config is not None else None
-    recorded = ckpt.metadata.get("tyingspec.tied")
     notes: list[str] = []
     pair: dict[str, Any] = {"embedding": emb, "head": hd}
     for name, t in (("embedding", e), ("head", h)):
@@ -454,14 +453,13 @@ def inspect(ckpt: Checkpoint, config: dict[str, Any] | None = None,
         missing = "head" if h is None else "embedding"
         # A tied save keeps one key: safetensors' save_model (it cannot hold shared tensors),
         # transformers' save_pretrained, a torch file re-saved from either.  The verdict rests
-        # on the tensors, the file's own record of the tie and the config, never on the
-        # container: the same tensors as .pt and as .safetensors once read differently (a
-        # lone key "lost" in one, "tied" in the other).  With no config, a lone key reads as
-        # transformers reads it, tie_word_embeddings defaulting to true.
+        # on the tensors and the config, never on the container: the same tensors as .pt and
+        # as .safetensors once read differently (a lone key "lost" in one, exit 1, and "tied"
+        # in the other, exit 0).  With no config, a lone key reads as transformers reads it,
+        # tie_word_embeddings defaulting to true.
         ties = config_ties if config_ties is not None else True
         state = "tied" if ties else f"{missing}-missing"
-        if state == "tied" and config_ties is None and recorded is None and not recorded_ties(
-                ckpt):
+        if state == "tied" and config_ties is None and not recorded_ties(ckpt):
             notes.append("nothing in the file records the tie and no --config was given: read "
                          "as tied, as transformers' default tie_word_embeddings=true reads it; "
                          "give --config to tell a tie from a lost "
@@ -1088,8 +1086,8 @@ def _refuse_same(outputs: dict[str, str | None], inputs: dict[str, str | None]) 
         for in_name, src in inputs.items():
             if out and src and _same_file(out, src):
                 raise CkptError(f"{out_name} {out!r} is the same file as {in_name} {src!r}: "
-                                f"tyingspec never overwrites what it reads; give {out_name} "
-                                f"another file")
+                                f"tyingspec never overwrites what it reads; give "
+                                f"{out_name.split(' (')[0]} another file")
 
 
 def _inputs(args: argparse.Namespace, ckpt: Checkpoint | None) -> dict[str, str | None]:
@@ -1135,7 +1133,8 @@ def _run_convert(args: argparse.Namespace) -> int:
         check_distinct({"OUT": out, "--config-out": config_out})
     elif args.config_out is not None:
         raise CkptError("--config-out: it writes the updated --config; give --config too")
-    outputs = {"OUT": args.output, "--config-out": args.config_out or config_out}
+    outputs = {"OUT": args.output, "--config-out" if args.config_out else
+               "--config-out (default: config.json beside OUT)": args.config_out or config_out}
     _refuse_same(outputs, _inputs(args, None))
     config = _read_config(args.config) if args.config else None
     ckpt = load(ckpt_in)
