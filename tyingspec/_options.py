@@ -74,3 +74,48 @@ def positive_seconds(text: str) -> float:
     if v == 0:
         raise argparse.ArgumentTypeError("expected a number of seconds > 0, got 0")
     return v
+
+
+class UsageError(Exception):
+    """A command asked for something that cannot be run as given (exit status 2, one line).
+
+    Raised below the command line (a check that would run no case, a replay's batch outside the
+    vocabulary, a missing extra); the CLI prints the message and exits 2, the pytest plugin
+    turns it into ``pytest.UsageError``.  Never a gradient verdict.
+    """
+
+
+#: Where the available memory is read from (Linux); elsewhere see :func:`available_memory`.
+MEMINFO = "/proc/meminfo"
+
+
+def available_memory(meminfo: str = MEMINFO) -> int | None:
+    """Bytes this machine can give a new allocation without swapping: ``MemAvailable`` from
+    ``meminfo``, else the free physical pages ``sysconf`` reports, else None (unknown: nothing
+    is refused on a guess)."""
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key == "MemAvailable":
+                    value, _, unit = rest.strip().partition(" ")
+                    return int(value) * (1024 if unit.strip().lower() == "kb" else 1)
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    import os
+
+    try:
+        pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+    return pages * size if pages > 0 and size > 0 else None
+
+
+def byte_text(n: float) -> str:
+    """``n`` bytes for a person: ``3.4 GiB``, ``5.6 PiB``."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n /= 1024
+        i += 1
+    return f"{int(n)} B" if i == 0 else f"{n:.3g} {units[i]}"
