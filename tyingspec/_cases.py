@@ -215,6 +215,115 @@ def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], lis
     return kept, left_out
 
 
+def bytes_needed(V: int, d: int, N: int) -> int:
+    """About how many bytes a check of one case at ``V, d, N`` holds at its peak, in 8-byte
+    entries: seven [V, d] arrays (the E it builds, E after the SGD step, the reference's two
+    paths, the returned dE and their differences), two and a half [N, V] (the logits, their
+    softmax, a part of either), one [N, d].
+
+    Fitted to the peak resident memory of ``tyingspec check tied --shape V,d,N --case
+    repeated-tokens`` (numpy 2, CPU), the interpreter's 40 MB left out: 187 MiB at
+    8192,256,512, 311 MiB at 16384,256,256, 473 MiB at 16384,512,64 and 643 MiB at
+    1024,64,32768, each within 4% of this.  It is checked before any array is made, so
+    ``--shape 1000000000,768,1024`` is refused at once instead of failing (or swapping) on
+    its first allocation."""
+    return 8 * (7 * V * d + 5 * N * V // 2 + N * d)
+
+
+def memory_problem(V: int, d: int, N: int, available: int | None) -> str | None:
+    """Why a case at ``V, d, N`` cannot run here (it needs more memory than ``available``
+    bytes); None when it fits or the available memory is unknown."""
+    from ._options import byte_text
+
+    need = bytes_needed(V, d, N)
+    if available is None or need <= available:
+        return None
+    return (f"V={V} d={d} N={N} needs about {byte_text(need)} of memory and this machine has "
+            f"{byte_text(available)} available")
+
+
+def batch_problem(tokens: tuple[int, ...] | None, targets: tuple[int, ...] | None,
+                  V: int | None, *, ignore_index: int | None = None) -> str | None:
+    """Why an explicit batch (``--tokens/--targets``, a replay's) cannot be run on a vocabulary
+    of ``V`` rows: tokens and targets apart, of different lengths, empty, or outside
+    ``[0, V)`` (a target may be ``ignore_index`` where the kind has one; ``V=None``: not yet
+    known, only negative ids are refused); None when it can.  Checked before the batch
+    reaches user code, where an index out of range is a traceback (torch) or, worse, wraps
+    around (numpy's ``E[-100]``)."""
+    if (tokens is None) != (targets is None):
+        return "tokens and targets go together: give both or neither"
+    if tokens is None or targets is None:
+        return None
+    if not tokens:
+        return "the batch is empty: give at least one token and target"
+    if len(tokens) != len(targets):
+        return f"{len(tokens)} tokens but {len(targets)} targets; they must match"
+    top = V if V is not None else max(*tokens, *targets) + 1
+    bad_tokens = sorted({t for t in tokens if not 0 <= t < top})
+    bad_targets = sorted({t for t in targets if not 0 <= t < top and t != ignore_index})
+    if not bad_tokens and not bad_targets:
+        return None
+    parts = ([f"tokens {bad_tokens}"] if bad_tokens else []) + \
+        ([f"targets {bad_targets}"] if bad_targets else [])
+    ignored = "" if ignore_index is None else f" (a target may also be {ignore_index}, ignored)"
+    where = "must be >= 0" if V is None else f"must be in [0, {V}) for V={V}"
+    return f"token ids {where}{ignored}; got {' and '.join(parts)}"
+
+
+#: Keys of a linear-ce case's ``ce`` string that say how its batch is drawn (the kernel's
+#: options are ``tyingspec._linear_ce_kind.OPTION_NAMES``), and the values each takes: a
+#: number, or one of the words listed.
+CE_BATCH_KEYS: dict[str, tuple[str, ...]] = {"ignored": (), "logits": (), "target": ("same",)}
+#: The kernel options whose value is a word, not a number.
+CE_WORDS: dict[str, tuple[str, ...]] = {"reduction": ("mean", "sum", "none"),
+                                        "ce_weight": ("drawn",)}
+
+
+def ce_problem(text: str) -> str | None:
+    """Why a linear-ce ``ce`` string (a replay's ``ce=...``) is not one tyingspec can run: a
+    part that is not ``key=value``, a key it does not know (``logit_scal=0.0625``, which would
+    otherwise be dropped silently and the case run without the option), a key given twice,
+    or a value of the wrong sort; None when it is usable."""
+    from ._linear_ce_kind import OPTION_NAMES
+
+    known = [*OPTION_NAMES, *CE_BATCH_KEYS]
+    seen: set[str] = set()
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            return f"ce: expected key=value parts separated by commas, got {part!r}"
+        if key not in known:
+            return f"ce: unknown option {key!r}; known: {', '.join(known)}"
+        if key in seen:
+            return f"ce: {key} given twice"
+        seen.add(key)
+        words = CE_WORDS.get(key, CE_BATCH_KEYS.get(key, ()))
+        if key == "ignore_index":  # a class id, -100, or "vocab" (drawn from the vocabulary)
+            if value != "vocab" and not value.lstrip("-").isdigit():
+                return f"ce: ignore_index expects an integer or vocab, got {value!r}"
+        elif words:
+            if value not in words:
+                return f"ce: {key} expects {' or '.join(words)}, got {value!r}"
+        else:
+            try:
+                number = float(value)
+            except ValueError:
+                return f"ce: {key} expects a number, got {value!r}"
+            if number != number or number in (float("inf"), float("-inf")):
+                return f"ce: {key} expects a finite number, got {value!r}"
+    return None
+
+
+def ce_ignore_index(text: str) -> int:
+    """The target id a ``ce`` string's batch may hold for an ignored token: its
+    ``ignore_index`` when that is an integer, else -100 (Liger's and torch's default)."""
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key == "ignore_index" and value.lstrip("-").isdigit():
+            return int(value)
+    return -100
+
+
 def closed_form(batch: Batch, dtype: str = "float64") -> Paths:
     """The closed-form reference paths of a batch, computed in ``dtype`` (float64 unless the
     engine says a float32 reference is enough; see :func:`working_dtype`)."""
