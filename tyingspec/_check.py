@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._adapters import AdapterError
-from ._cases import Case
+from ._cases import Case, batch_problem
 from ._diagnosis import Diagnosis
 from ._engine import (
     FIRST_CALL,
@@ -24,7 +24,11 @@ from ._engine import (
     observe,
     shaped,
 )
-from ._options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT
+from ._extras import with_hint
+from ._options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT, UsageError
+
+#: The target a linear-ce kernel ignores (Liger's and torch's default ignore_index).
+IGNORE_INDEX = -100
 
 
 @dataclass
@@ -118,13 +122,32 @@ def run_case(target: Target, case: Case, base_seed: int, *, do_shrink: bool = Tr
     try:
         obs = observe(target, case)
     except AdapterError as exc:
-        return CaseResult(case, "adapter_error", error=str(exc),
+        return CaseResult(case, "adapter_error", error=with_hint(str(exc)),
                           replay=replay_command(target, base_seed, case))
     result = result_of(target, obs, base_seed)
     if obs.status == "wrong" and do_shrink and obs.case.N > 1:
         result.shrunk, result.shrink_note = shrink(target, obs.case, obs.label, shrink_budget)
         result.replay = replay_command(target, base_seed, result.shrunk)
     return result
+
+
+def explicit_batch_problem(target: Target, case: Case) -> str | None:
+    """Why a case's explicit batch (``--tokens/--targets``) cannot reach ``target``: ids
+    outside the vocabulary, known only once a torch model is loaded, or an ignored target
+    (-100) for a linear-ce kernel that declares no ``ignore_index``.  Without this a torch
+    model raises an IndexError inside its embedding, a traceback instead of a usage error."""
+    if case.tokens is None and case.targets is None:
+        return None
+    ignore = IGNORE_INDEX if target.kind == "linear-ce" else None
+    problem = batch_problem(case.tokens, case.targets, case.V, ignore_index=ignore)
+    if problem is not None or ignore is None or IGNORE_INDEX not in (case.targets or ()):
+        return problem
+    from ._engine import described
+
+    if "ignore_index" not in described(target).get("options", ()):
+        return (f"a target of {IGNORE_INDEX} is an ignored token, and the kernel declares no "
+                "ignore_index option")
+    return None
 
 
 @dataclass
@@ -170,17 +193,29 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case], *,
     A ``module:attr`` target runs in a worker process (``paths`` first on its ``sys.path``,
     ``timeout`` seconds per call).  ``on_result(result)`` is called as each case finishes."""
     report = CheckReport(spec, kind, seed, precision=precision)
+    if not cases:
+        raise UsageError("no case to run, so there is no verdict")
     try:
         target = load(spec, kind, precision, timeout=timeout, paths=paths, prepare=cases[:1])
     except AdapterError as exc:
-        report.load_error = str(exc)
+        report.load_error = with_hint(str(exc))
         return report
     try:
         try:
             cases, report.notes = shaped(target, cases)
         except AdapterError as exc:
-            report.load_error = str(exc)
+            report.load_error = with_hint(str(exc))
             return report
+        if not cases:
+            # every case left out by the target itself (a torch model's shape, a linear-ce
+            # kernel's options): zero cases is no verdict, and "correct" would pass a CI gate
+            # that checked nothing
+            raise UsageError("no case left to run, so there is no verdict: "
+                             + "; ".join(report.notes))
+        for case in cases:
+            problem = explicit_batch_problem(target, case)
+            if problem is not None:
+                raise UsageError(f"case {case.name}: {problem}")
         # a model's batch shape is its own: a smaller batch is not one it takes
         do_shrink = not target.table.own_shape
         for case in cases:

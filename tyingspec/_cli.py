@@ -15,6 +15,7 @@ from ._kinds import KIND_NAMES
 from ._options import (
     DEFAULT_SHRINK_BUDGET,
     DEFAULT_TIMEOUT,
+    UsageError,
     int_list,
     positive_seconds,
     seed,
@@ -147,6 +148,23 @@ def _builtin_kind(target: str) -> str:
     return "model"
 
 
+def _require_extras(target: str, kind: str, precision: str) -> None:
+    """Before anything runs: the extras this check needs are installed (else a usage error
+    naming the ``pip install``).  What is imported deeper down is caught in :func:`main`."""
+    from ._extras import require
+
+    if kind == "torch":
+        require("torch", "--kind torch")
+    if precision == "bfloat16":
+        require("ml_dtypes", "--precision bfloat16")
+    if kind == "linear-ce" and ":" not in target:
+        from ._linear_ce_zoo import LINEAR_CE_BUILTINS
+
+        builtin = LINEAR_CE_BUILTINS.get(target)
+        if builtin is not None and builtin.form == "torch":
+            require("torch", f"the built-in {target} (a torch module)")
+
+
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._check import check_target
     from ._files import OutputError, check_distinct, usable_output
@@ -188,19 +206,41 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 "results": {n: r.as_dict() for n, r in demo.results.items()}}, code)
         return code
 
-    from ._kinds import kind_spec as _kind
+    from ._kinds import kind_spec
 
     if args.kind is None:
         args.kind = _builtin_kind(args.target)
-    cases = _kind(args.kind).cases(args.seed)
+    spec = kind_spec(args.kind)
+    _require_extras(args.target, args.kind, args.precision)
+    cases = spec.cases(args.seed)
+    # --case first: a case named here and then left out by --shape or --padding-idx is told
+    # why below, not reported as unknown
+    if args.case:
+        chosen = [c for c in cases if c.name == args.case]
+        if not chosen:
+            parser.error(f"--case: no case {args.case!r}; known: "
+                         + ", ".join(c.name for c in cases))
+        cases = chosen
+    if (args.tokens is None) != (args.targets is None):
+        parser.error("--tokens and --targets go together")
+    if args.tokens is not None and not args.case:
+        parser.error("--tokens/--targets need --case")
     notes: list[str] = []
     if args.shape is not None:
-        from ._cases import at_shape
+        if spec.own_shape:
+            parser.error(f"--shape does not apply to --kind {args.kind}: the model's shape "
+                         "(vocabulary, width, batch x context) is its own")
+        from ._cases import at_shape, memory_problem
+        from ._options import available_memory
 
-        cases, left_out = at_shape(cases, *args.shape)
+        V, d, N = args.shape
+        problem = memory_problem(V, d, max(N, len(args.tokens or ())), available_memory())
+        if problem is not None:
+            parser.error(f"--shape {V},{d},{N}: {problem}; choose a smaller shape")
+        cases, left_out = at_shape(cases, V, d, N)
         if left_out:
-            notes.append(f"--shape {','.join(map(str, args.shape))}: left out "
-                         f"{', '.join(left_out)} (defined by their shape)")
+            notes.append(f"--shape {V},{d},{N}: left out {', '.join(left_out)} "
+                         "(defined by their shape)")
     if args.padding_idx is not None:
         if args.kind != "model":
             parser.error(f"--padding-idx applies to --kind model (a {args.kind} target "
@@ -211,36 +251,26 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         small = [c.name for c in cases if c.V <= args.padding_idx]
         if small:
             notes.append(f"--padding-idx {args.padding_idx}: left out {', '.join(small)} "
-                         "(no such row)")
+                         "(no such row: their V is at most "
+                         f"{max(c.V for c in cases if c.V <= args.padding_idx)})")
         cases = [replace(c, padding_idx=args.padding_idx) for c in cases
                  if c.V > args.padding_idx]
-    if args.case:
-        chosen = [c for c in cases if c.name == args.case]
-        if not chosen:
-            parser.error(f"--case: no case {args.case!r}; known: "
-                         + ", ".join(c.name for c in cases))
-        cases = chosen
-    if (args.tokens is None) != (args.targets is None):
-        parser.error("--tokens and --targets go together")
+    if not cases:
+        # Zero cases is no verdict: "correct" here would pass a CI gate that checked nothing.
+        parser.error("no case left to run, so there is no verdict: " + "; ".join(notes))
     if args.tokens is not None:
-        if len(cases) != 1:
-            parser.error("--tokens/--targets need --case")
-        if len(args.tokens) != len(args.targets):
-            parser.error(f"--tokens has {len(args.tokens)} values, --targets "
-                         f"{len(args.targets)}; they must match")
-        from ._kinds import kind_spec
+        from ._cases import batch_problem
+        from ._check import IGNORE_INDEX
 
-        V = cases[0].V
-        # a kind with its own shape (a torch model's vocabulary) checks token ids itself
-        own = kind_spec(args.kind).own_shape
-        # a linear-ce target may be ignore_index (-100): an ignored token
-        ignored = {-100} if args.kind == "linear-ce" else set()
-        bad = [t for t in args.tokens if not 0 <= t < V] + \
-            [t for t in args.targets if not 0 <= t < V and t not in ignored] if not own else []
-        if bad:
-            parser.error(f"token ids must be in [0, {V}) for case {cases[0].name}; got {bad}")
-        cases = [replace(cases[0]).with_batch(np.asarray(args.tokens),
-                                              np.asarray(args.targets))]
+        # a kind with its own shape (a torch model's vocabulary) has its token ids checked
+        # once the model is loaded (tyingspec._check.check_target)
+        if not spec.own_shape:
+            # a linear-ce target may be ignore_index (-100): an ignored token
+            problem = batch_problem(args.tokens, args.targets, cases[0].V,
+                                    ignore_index=IGNORE_INDEX if args.kind == "linear-ce" else None)
+            if problem is not None:
+                parser.error(f"--tokens/--targets: {problem} (case {cases[0].name})")
+        cases = [cases[0].with_batch(np.asarray(args.tokens), np.asarray(args.targets))]
     from ._report import render_case, render_head, render_verdict
 
     # Each case is printed as soon as it is known: a job killed for time still shows what
@@ -304,30 +334,71 @@ def main(argv: Sequence[str] | None = None) -> int:
             faulthandler.enable()
         except (AttributeError, ValueError, io.UnsupportedOperation):
             pass  # main() called with a stderr that is no file (a notebook, a captured test)
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        if args.command == "check":
-            return _check(args, parser)
-        if args.command == "mutants":
-            from ._kill_matrix import run as run_mutants
-
-            return run_mutants(args)
-        if args.command == "ckpt":
-            from ._ckpt import run as run_ckpt
-
-            return run_ckpt(args)
-        if args.command == "reproduce":
-            from ._reproduce import run
-
-            return run(args)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return _run(args, parser)
     except BrokenPipeError:
         # The reader went away (`| head`): stop writing.  The run did not finish, so the exit
         # status must not say it passed.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_USAGE
+    except UsageError as exc:  # found below the parser: a check with no case, a missing extra
+        _error(f"error: {exc}")
+        return EXIT_USAGE
+    except ModuleNotFoundError as exc:
+        from ._extras import missing_extra
+
+        usage = missing_extra(exc)
+        if usage is None:
+            return _internal_error(exc)
+        _error(f"error: {usage}")
+        return EXIT_USAGE
+    except MemoryError as exc:
+        _error(f"error: out of memory ({type(exc).__name__}: {exc}); give a smaller --shape "
+               "or run on a machine with more memory")
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001  (exit 1 is a wrong gradient, never a crash)
+        return _internal_error(exc)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.command == "check":
+        return _check(args, parser)
+    if args.command == "mutants":
+        from ._kill_matrix import run as run_mutants
+
+        return run_mutants(args)
+    if args.command == "ckpt":
+        from ._ckpt import run as run_ckpt
+
+        return run_ckpt(args)
+    if args.command == "reproduce":
+        from ._reproduce import run
+
+        return run(args)
     parser.print_help()
+    return EXIT_USAGE
+
+
+def _error(text: str) -> None:
+    try:
+        sys.stdout.flush()  # the results printed so far come first
+    except (OSError, ValueError):
+        pass  # a closed or broken stdout: the message still goes to stderr
+    print(f"tyingspec: {text}", file=sys.stderr, flush=True)
+
+
+def _internal_error(exc: BaseException) -> int:
+    """A bug in tyingspec (not in the target: those are adapter errors): exit 2 with the
+    message first and the traceback after it.  Never exit 1, which only a wrong gradient
+    gives."""
+    import traceback
+
+    _error(f"internal error, please report it with the traceback below: "
+           f"{type(exc).__name__}: {exc}")
+    traceback.print_exception(exc, file=sys.stderr)
     return EXIT_USAGE
 
 
