@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ._adapters import AdapterError
@@ -399,22 +398,86 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="run only this implementation (repeatable)")
 
 
+def _nothing_to_run(names: Sequence[str], kinds: Sequence[str]) -> str:
+    """Why ``--only NAMES`` selects no (implementation, kind) pair under ``kinds``."""
+    from ._kinds import KINDS as TABLE
+
+    have: dict[str, list[str]] = {}
+    for k, spec in TABLE.items():
+        known = builtins() if spec.builtins is None else spec.builtins()
+        for n in names:
+            impl = known.get(n)
+            if impl is not None and impl.adapter(k) is not None:
+                have.setdefault(n, []).append(k)
+    where = "; ".join(f"{n} comes in --kind {' or '.join(have[n])}" if n in have else
+                      f"{n} comes in no kind" for n in names)
+    return (f"nothing to run: no implementation named by --only comes in --kind "
+            f"{' or '.join(kinds)} ({where})")
+
+
+def _require_extras(pairs: Sequence[tuple[Implementation, str]], every_kind: bool) -> None:
+    """torch before the run, not after the first hour of it: the torch kind's zoo and the
+    torch-form linear-ce built-ins need it."""
+    from ._extras import require
+    from ._linear_ce_zoo import LINEAR_CE_BUILTINS
+
+    def torch_form(impl: Implementation, kind: str) -> bool:
+        ce = LINEAR_CE_BUILTINS.get(impl.name) if kind == "linear-ce" else None
+        return kind == "torch" or (ce is not None and ce.form == "torch")
+
+    needs = sorted({kind for impl, kind in pairs if torch_form(impl, kind)})
+    if needs:
+        require("torch", f"--kind all (its {' and '.join(needs)} rows; --kind model and "
+                "--kind kernel run without it)" if every_kind else
+                " and ".join(f"--kind {k}" for k in needs))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``tyingspec mutants``; returns the exit status."""
+    """Entry point of ``tyingspec mutants``; returns the exit status (2 for a usage error:
+    nothing selected, an unusable --json path, a missing extra; raised as UsageError)."""
+    from ._files import OutputError, usable_output
+    from ._options import UsageError
+
     kinds = KINDS if args.kind == "all" else (args.kind,)
+    # before the run: a --json that cannot be written must not cost the whole matrix
+    path = None
+    if args.json is not None:
+        try:
+            path = usable_output("--json", args.json)
+        except OutputError as exc:
+            raise UsageError(str(exc)) from None
+    pairs = targets(kinds, args.only)
+    if not pairs:
+        # an empty matrix "kills every mutant" (0/0): that is no result, not an OK
+        raise UsageError(_nothing_to_run(args.only or (), kinds))
+    _require_extras(pairs, args.kind == "all")
     report = kill_matrix(kinds=kinds, max_examples=args.max_examples, seed=args.seed,
                          names=args.only, progress=progress_printer())
-    print(render(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-    return 0 if report.ok else 1
+    print(render(report), flush=True)
+    code = 0 if report.ok else 1
+    if path is not None:
+        from ._files import atomic_write
+
+        try:
+            atomic_write(path, json.dumps(report.as_dict(), indent=2) + "\n")
+        except OSError as exc:
+            print(f"tyingspec mutants: the JSON report {args.json} was not written "
+                  f"({type(exc).__name__}: {exc}); the matrix above stands", file=sys.stderr)
+            return max(code, 2)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tyingspec._kill_matrix``: the same as ``tyingspec mutants``."""
+    from ._options import UsageError
+
     parser = argparse.ArgumentParser(prog="tyingspec mutants")
     configure_parser(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":  # pragma: no cover
