@@ -7,7 +7,9 @@ Each experiment prints its setup, then a table of quantity | claim | measured | 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,12 +119,41 @@ def run_experiment(name: str, *, seeds: Sequence[int] | None = None, quick: bool
     return result
 
 
+def unusable_out(out: Path) -> str | None:
+    """Why ``--out DIR`` cannot take the files, found before any experiment runs (an hour of
+    work is not lost to a typo): a part of the path is a file, or DIR cannot be made or
+    written.  A DIR that does not exist yet is made now (with its parents), as it would be
+    at the end."""
+    full = Path(os.path.abspath(out))
+    existing = full
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return (f"--out {str(out)!r}: {str(existing)!r} is a file, not a directory"
+                if existing == full else
+                f"--out {str(out)!r}: {str(existing)!r} is a file, so no directory can be made "
+                "under it")
+    try:
+        full.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=full):  # permissions, a read-only mount, /proc
+            pass
+    except OSError as exc:
+        return (f"--out {str(out)!r}: the directory cannot be made or written "
+                f"({exc.strerror or exc})")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run what ``args`` asks for; 0 when it ran (whatever the verdicts), 2 on usage errors."""
     if bool(args.name) == bool(args.all):
         sys.stderr.write("tyingspec reproduce: give one experiment NAME or --all (not both); "
                          f"experiments: {', '.join(EXPERIMENTS)}\n")
         return 2
+    if args.out is not None:
+        problem = unusable_out(args.out)
+        if problem is not None:
+            sys.stderr.write(f"tyingspec reproduce: {problem}\n")
+            return 2
     names = list(EXPERIMENTS) if args.all else [args.name]
     progress = silent_progress if args.no_progress else stderr_progress
     t0 = time.perf_counter()
