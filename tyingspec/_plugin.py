@@ -209,12 +209,15 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     replay = None
     if opts.replay is not None:
-        from ._suite import parse_replay
+        from ._suite import parse_replay, replay_problem
 
         try:
             replay = parse_replay(opts.replay)
         except (ValueError, TypeError) as exc:
             raise pytest.UsageError(f"--tyingspec-replay: {exc}") from None
+        problem = replay_problem(opts.kind, replay[1])
+        if problem is not None:
+            raise pytest.UsageError(f"--tyingspec-replay: {problem}")
     if str(SUITE_PATH) not in config.args:
         config.args.append(str(SUITE_PATH))
     config.pluginmanager.register(_Suite(opts, replay), "tyingspec-suite")
@@ -427,13 +430,27 @@ class _Controller:
         from ._adapters import AdapterError
         from ._engine import load as load_target
 
-        try:
-            load_target(self.opts.adapter, self.opts.kind, timeout=self.opts.timeout,
-                        paths=self.opts.paths).close()
-        except AdapterError as exc:
-            pytest.exit(f"tyingspec: --tyingspec-adapter={self.opts.adapter} "
-                        f"(kind {self.opts.kind}) cannot be used: {exc}", returncode=EXIT_ADAPTER)
         plugin = self.config.pluginmanager.get_plugin("tyingspec-suite")
+        replay = None if plugin is None else plugin.replay
+        problem = None
+        try:
+            target = load_target(self.opts.adapter, self.opts.kind, timeout=self.opts.timeout,
+                                 paths=self.opts.paths)
+            try:
+                if replay is not None:  # at the target's own shape (a torch model's V)
+                    from ._suite import replay_problem_at
+
+                    problem = replay_problem_at(target, replay[1])
+            finally:
+                target.close()
+        except AdapterError as exc:
+            from ._extras import with_hint
+
+            pytest.exit(f"tyingspec: --tyingspec-adapter={self.opts.adapter} "
+                        f"(kind {self.opts.kind}) cannot be used: {with_hint(str(exc))}",
+                        returncode=EXIT_ADAPTER)
+        if problem is not None:
+            raise pytest.UsageError(f"--tyingspec-replay: {problem}")
         if plugin is not None and plugin.replay is not None:
             from ._suite import property_names
 

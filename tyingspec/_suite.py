@@ -202,3 +202,60 @@ def parse_replay(text: str) -> tuple[str, Case]:
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (a replay needs at least V, d, N, seed)")
     return prop, Case(name="replay", **values)  # type: ignore[arg-type]
+
+
+def replay_problem(kind: str, case: Case) -> str | None:
+    """Why a parsed replay cannot be run on ``kind`` as given (a usage error, before any test
+    runs); None when it can.  Without this a typo in an option is dropped silently and the
+    broken kernel passes, and a token beyond V is a traceback inside the adapter.  A torch
+    model's vocabulary is known only once it is loaded: its token ids are checked then
+    (:func:`replay_problem_at`)."""
+    from ._cases import COMPOSITIONS, batch_problem, ce_ignore_index, ce_problem, memory_problem
+    from ._kinds import kind_spec
+    from ._options import available_memory
+
+    small = [f"{k}={getattr(case, k)}" for k in ("V", "d", "N") if getattr(case, k) < 1]
+    if small:
+        return f"{', '.join(small)}: V, d and N must be >= 1"
+    if case.seed < 0:
+        return f"seed={case.seed}: a seed is >= 0"
+    if case.composition not in COMPOSITIONS:
+        return (f"composition={case.composition}: expected one of "
+                + ", ".join(COMPOSITIONS))
+    if case.dtype not in ("float64", "float32", "bfloat16", "float16"):
+        return f"dtype={case.dtype}: expected float64, float32, bfloat16 or float16"
+    if case.padding_idx is not None and not 0 <= case.padding_idx < case.V:
+        return f"padding_idx={case.padding_idx}: no such row (expected 0 <= padding_idx < V)"
+    if case.ce and kind != "linear-ce":
+        return f"ce={case.ce}: linear-ce options apply to --tyingspec-kind=linear-ce only"
+    if case.ce:
+        problem = ce_problem(case.ce)
+        if problem is not None:
+            return problem
+    own = kind_spec(kind).own_shape
+    ignore = ce_ignore_index(case.ce) if kind == "linear-ce" else None
+    # an own-shape kind's V is the model's, not yet known: no id beyond it is refused here
+    problem = batch_problem(case.tokens, case.targets, None if own else case.V,
+                            ignore_index=ignore)
+    if problem is not None:
+        return f"tokens/targets: {problem}"
+    if not own:
+        return memory_problem(case.V, case.d, case.N, available_memory())
+    return None
+
+
+def replay_problem_at(target: Target, case: Case) -> str | None:
+    """What :func:`replay_problem` can only check with the target loaded: the token ids at
+    its own shape (a torch model's V), and that a linear-ce kernel declares each option the
+    replay sets (a property would otherwise drop it from the case, silently)."""
+    from ._cases import batch_problem
+    from ._engine import own_case, runnable
+
+    why = runnable(target, case)
+    if why is not None:
+        return f"the replayed case {why}"
+    if case.tokens is None:
+        return None
+    at = own_case(target, case)
+    problem = batch_problem(at.tokens, at.targets, at.V)
+    return None if problem is None else f"tokens/targets: {problem} (the model's vocabulary)"
