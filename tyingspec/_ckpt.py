@@ -178,7 +178,12 @@ def _load_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # torch's message opens with advice to re-run with weights_only=False (the one thing
+        # never to do with an untrusted file), in ANSI bold; the reason follows it
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+        _, marker, reason = text.partition("WeightsUnpickler error:")
+        lines = [ln.strip() for ln in (reason if marker else text).splitlines() if ln.strip()]
+        first = lines[0].split(". Please use")[0] if lines else type(exc).__name__
         raise CkptError(f"{path}: refused by torch.load(weights_only=True), which only loads "
                         f"tensors and plain containers; tyingspec never unpickles anything "
                         f"else ({first})") from exc
