@@ -160,7 +160,7 @@ def test_the_hf_re_implementation_is_transformers_own_loss() -> None:
         theirs = ForCausalLMLoss((theirs_h @ W.T), None, vocab_size=6, shift_labels=labels)
         np.testing.assert_allclose(ours.item(), theirs.item(), rtol=1e-6, atol=1e-7,
                                    equal_nan=True)
-        ours.backward()  # type: ignore[no-untyped-call]
+        ours.backward()
         theirs.backward()  # type: ignore[no-untyped-call]
         assert ours_h.grad is not None and theirs_h.grad is not None
         np.testing.assert_allclose(ours_h.grad.numpy(), theirs_h.grad.numpy(), rtol=1e-6,
