@@ -63,6 +63,9 @@ class Case:
     # a linear-ce case's options, "key=value,..." (see tyingspec._linear_ce_kind.ce_options):
     # the kernel's options plus how the batch exposes them (ignored=fraction, logits=magnitude)
     ce: str = ""
+    # the user's --shape: a target with a shape of its own (a torch model) keeps this N (its
+    # batch x sequence) and must have this V and d
+    given_shape: bool = False
 
     def describe(self) -> str:
         if not self.probe:
@@ -211,7 +214,7 @@ def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], lis
             left_out.append(c.name)
             continue
         kept.append(replace(c, V=V, d=d, N=N, tokens=None, targets=None,
-                            e_scale=SHAPE_E_SCALE))
+                            e_scale=SHAPE_E_SCALE, given_shape=True))
     return kept, left_out
 
 
@@ -399,9 +402,12 @@ def padded(paths: Paths, padding_idx: int | None) -> Paths:
     if padding_idx is None:
         return paths
     rows = np.array(paths.per_position, copy=True)
-    rows[np.asarray(paths.tokens) == padding_idx] = 0
+    at_pad = np.asarray(paths.tokens) == padding_idx
+    pad_input = np.asarray(rows[at_pad], dtype=np.float64).sum(axis=0)
+    rows[at_pad] = 0
     sketch = None if paths.sketch is None else paths.sketch.with_exact(np.array([padding_idx]))
     return replace(paths, per_position=rows, padding_idx=padding_idx, sketch=sketch,
+                   pad_input=pad_input,
                    dE_in=input_path(np.asarray(paths.tokens), rows, paths.dE_in.shape[0],
                                     factored=sketch is not None))
 

@@ -26,6 +26,7 @@ Label = Literal["correct", "no_power", "forward_mismatch", "precision_limited",
                 "gradient_not_zeroed", "input_path_wrong", "output_path_wrong",
                 "other_gradient_wrong", "inputs_mutated", "tie_lost", "optimizer_sees_tie_twice",
                 "gradient_assigned", "gradient_disagrees_with_forward", "padding_row_masked",
+                "padding_row_unmasked", "padding_idx_on_real_token",
                 "logit_scale_dropped", "logit_scale_twice", "softcap_derivative_missing",
                 "label_smoothing_misweighted", "z_loss_missing", "ignored_counted_in_mean",
                 "ignored_not_zeroed", "grad_output_broadcast", "dE_wrong_dh_right",
@@ -67,6 +68,13 @@ LABELS: dict[Label, str] = {
                                        "differences of the loss contradict these rows of dE",
     "padding_row_masked": "padding row masked on both paths: padding_idx keeps the input path "
                           "off row p, but the output path must still reach it",
+    "padding_row_unmasked": "padding row unmasked: padding_idx declares row p free of the "
+                            "input path, but the backward added it (the mask skipped on one "
+                            "code path, pytorch #26302)",
+    "padding_idx_on_real_token": "padding_idx on a real token: the lookup's padding_idx skips "
+                                 "the input path of a token the batch uses as a real token, "
+                                 "and nothing declares it padding, so that token's embedding "
+                                 "never learns from its reads",
     "logit_scale_dropped": "logit scale dropped from the backward: the gradients are 1/s times "
                            "the right ones (a 0.0625 scale: 16x too large)",
     "logit_scale_twice": "logit scale applied twice in the backward: the gradients are s times "

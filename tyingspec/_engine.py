@@ -291,22 +291,34 @@ def judge(returned: Returned, paths: Paths, precision: Precision) -> Diagnosis:
             diag = replace(diag, label="precision_limited", detail=(
                 f"every row within the {lower} bound, beyond the {precision} bound (worst row "
                 f"{diag.margin:.3g}x its {precision} bound); rerun with --precision {lower}"))
-    return _with_findings(_padding(diag, returned, paths), returned)
+    return _with_findings(_padding(diag, returned, paths, precision), returned)
 
 
-def _padding(diag: Diagnosis, returned: Returned, paths: Paths) -> Diagnosis:
-    """A declared padding row that is wrong alone and zero: its output path was masked too."""
+def _padding(diag: Diagnosis, returned: Returned, paths: Paths,
+             precision: Precision) -> Diagnosis:
+    """A declared padding row that is wrong alone: zero (its output path was masked too), or
+    holding the input path padding_idx exempts it from (the mask skipped: pytorch #26302)."""
     pad = paths.padding_idx
-    if pad is not None and diag.wrong and diag.wrong_rows == [pad] and \
-            not np.any(np.asarray(returned.dE[pad], dtype=np.float64)):
+    if pad is None or not diag.wrong or diag.wrong_rows != [pad]:
+        return diag
+    actual = np.asarray(returned.dE[pad], dtype=np.float64)
+    if not np.any(actual):
         return replace(diag, label="padding_row_masked", detail=(
             f"row {pad} (padding_idx) is zero, but the output path reaches it; padding_idx "
             "exempts the input path only"))
+    if paths.pad_input is not None and np.any(paths.pad_input):
+        row = np.array([pad])
+        unmasked = paths.in_rows(row) + paths.out_rows(row) + paths.pad_input[None, :]
+        if row_bound(paths, precision).rows(row).close(actual[None, :], unmasked).all():
+            return replace(diag, label="padding_row_unmasked", detail=(
+                f"row {pad} (padding_idx) holds the input path of the positions that read it: "
+                "the backward skipped the padding mask (the pytorch #26302 family)"))
     return diag
 
 
 #: Checks a wrong row outranks: they test the gradient too, and the row diagnosis says more.
-_AFTER_ROWS = ("gradient against the forward", "fresh gradient", "micro-batches accumulate")
+_AFTER_ROWS = ("gradient against the forward", "fresh gradient", "micro-batches accumulate",
+               "gradient after training steps")
 
 
 def _with_findings(diag: Diagnosis, returned: Returned) -> Diagnosis:
@@ -380,6 +392,18 @@ def shaped(target: Target, cases: list[Case]) -> tuple[list[Case], list[str]]:
     if shape is None:
         return cases, []
     V, d, N = shape
+    asked = {c.N for c in cases if c.given_shape and c.tokens is None}
+    if asked:
+        # --shape: the model's vocabulary and width, and the positions asked for (a sequence
+        # past its context length is the model's own error, reported as such)
+        batch = int(described(target)["tie"]["batch_size"])
+        wrong = [c for c in cases if c.given_shape and (c.V, c.d) != (V, d)]
+        if wrong or any(n % batch for n in asked):
+            raise AdapterError(target.spec, "--shape does not fit the model", key="--shape",
+                               expected=f"V={V} d={d} (the model's) and N a multiple of its "
+                                        f"batch size {batch}",
+                               got=f"V={cases[0].V} d={cases[0].d} N={cases[0].N}")
+        N = max(asked)
     given = [replace(c, V=V, d=d, N=len(c.tokens or ()), probe=False)
              for c in cases if c.tokens is not None]
     kept, left_out = at_shape([c for c in cases if c.tokens is None and

@@ -118,7 +118,8 @@ def _torch_reference(batch: Batch, inputs: Inputs, precision: str,
     loss = 0.0 if returned.loss is None else returned.loss
     if ev.get("observed_by") == "uses":
         paths = kernel_paths(ev["tokens"], ev["dx"], ev["h"], ev["g"], V, "float64")
-        return replace(paths, loss=loss, padding_idx=ev["tie"]["padding_idx"])
+        return replace(paths, loss=loss, padding_idx=ev["tie"]["padding_idx"],
+                       pad_input=ev.get("pad_input"))
     # The uses could not be observed (see tyingspec._torch_adapter): the rows are the model's
     # own, split as its backward split them, and the verdict is the forward's (a finding).
     # The batch's tokens are still the rows its lookups read: power is judged on them, so a

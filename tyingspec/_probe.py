@@ -224,6 +224,9 @@ class Paths:
     terms: Terms | None = None  # what the rounding bound is built from (see _tolerance)
     padding_idx: int | None = None  # the row the input path skips by declaration, if any
     sketch: Sketch | None = None  # absent rows judged through projections (large shapes)
+    # the input path the padding row would get without padding_idx: its positions' rows
+    # summed (a backward that skips the mask adds exactly this)
+    pad_input: Array | None = None
 
     @property
     def dE(self) -> Array:

@@ -35,8 +35,8 @@ from torch import nn
 
 from ._adapters import AdapterError, Returned
 from ._diagnosis import Label
-from ._tolerance import Precision, precision_of
 from ._findings import Finding, failed, not_applicable, passed
+from ._tolerance import Precision, precision_of
 from ._torch_model import Tie, as_target, build_model, describe, loss_function, owner
 from ._torch_target import TorchTarget
 
@@ -100,6 +100,8 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
             "the output path's g.T @ h, row by row",
             f"a use of the tied weight cannot be observed ({evidence['why']}), so dx, h and g "
             "cannot be vouched for; the tied gradient is checked against the forward instead"))
+    if tie.padding_idx is not None:
+        findings.append(_padding_row(model, tie, _rows_read(model, evidence, t, y)))
     if "forward" in checks:
         findings.append(_against_forward(build, tie, loss_of, t, y, own, seed,
                                          bool(evidence.get("input_reached", True)),
@@ -269,14 +271,53 @@ def _observe_paths(build: Build, m: nn.Module, tie: Tie, loss_of: Loss, t: torch
     why = uses.problem()
     evidence: dict[str, Any] = {"least_precise": str(uses.least_precise).removeprefix("torch.")}
     if why is None:
-        ids, dx = _input_rows(uses.lookups, tie.vocab)
+        ids, dx = _input_rows(uses.lookups, tie.vocab, tie.padding_idx)
         h = torch.cat([u["h"] for u in uses.heads]).to(torch.float64).numpy().copy()
         g = torch.cat([u["g"] for u in uses.heads]).to(torch.float64).numpy().copy()
         evidence.update(observed_by="uses", tokens=ids, dx=dx, h=h, g=g,
                         lookups=len(uses.lookups), heads=len(uses.heads))
+        skipped = [u["pad_input"][1] for u in uses.lookups
+                   if u.get("pad_input") is not None and u["pad_input"][0] == tie.padding_idx]
+        if skipped:
+            evidence["pad_input"] = np.sum(skipped, axis=0)
     else:
         evidence.update(_untied_split(build, tie, loss_of, t, y), why=why)
     return evidence, own, loss
+
+
+#: Where a model or its config names its padding token.
+_PAD_KEYS = ("pad_token_id", "padding_idx", "pad_id", "pad_idx", "pad_token")
+
+
+def _declared_padding(model: nn.Module) -> set[int]:
+    sources: list[Any] = [getattr(model, "config", None), model]
+    sources += [v for v in vars(model).values() if isinstance(v, dict)]
+    found: set[int] = set()
+    for source in sources:
+        for key in _PAD_KEYS:
+            value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                found.add(value)
+    return found
+
+
+def _padding_row(model: nn.Module, tie: Tie, read: frozenset[int]) -> Finding:
+    """A declared ``padding_idx`` that the batch reads as a real token, with nothing naming it
+    the pad token (a config's ``pad_token_id``): token p's embedding never learns from its
+    reads (padding_idx=0 on a vocabulary whose token 0 is real)."""
+    check = "padding row"
+    invariant = ("the lookup's padding_idx row is the pad token: named so by the model's "
+                 "config, or never read as a real token")
+    pad = int(tie.padding_idx or 0)
+    if pad not in read:
+        return not_applicable(check, invariant, f"no lookup in this batch reads row {pad}")
+    if pad in _declared_padding(model):
+        return passed(check, invariant, f"row {pad} is the configured pad token")
+    return failed(check, invariant, "padding_idx_on_real_token",
+                  f"padding_idx={pad} skips the input path of token {pad}, which this batch "
+                  "reads as a real token, and no config names it the pad token "
+                  "(pad_token_id): its embedding never learns from its reads; drop "
+                  "padding_idx, or name the pad token in the config")
 
 
 def _rows_read(model: nn.Module, evidence: dict[str, Any], t: torch.Tensor,
@@ -288,17 +329,22 @@ def _rows_read(model: nn.Module, evidence: dict[str, Any], t: torch.Tensor,
     return frozenset(rows | ({int(start)} if isinstance(start, int) else set()))
 
 
-def _input_rows(lookups: list[dict[str, Any]], V: int) -> tuple[np.ndarray, np.ndarray]:
+def _input_rows(lookups: list[dict[str, Any]], V: int,
+                declared: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The ids and dx of every lookup, under torch's own semantics for the options it was
     called with: positions reading ``padding_idx`` add nothing, and ``scale_grad_by_freq``
-    divides each position's gradient by its token's count in that call."""
+    divides each position's gradient by its token's count in that call.  The embedding
+    module's ``declared`` padding row is masked at every lookup: a forward that calls
+    ``F.embedding`` without it skips the mask it declares (the pytorch #26302 family)."""
     all_ids, all_dx = [], []
     for u in lookups:
         ids = u["ids"].numpy().astype(np.int64)
         dx = u["dx"].to(torch.float64).numpy().copy()
         pad = u.get("padding_idx")
+        pad = declared if pad is None else pad
         if pad is not None:
             pad = int(pad) + (V if int(pad) < 0 else 0)
+            u["pad_input"] = (pad, dx[ids == pad].sum(axis=0))
             dx[ids == pad] = 0.0
         if u.get("scale_grad_by_freq"):
             dx /= np.bincount(ids, minlength=V)[ids][:, None]
@@ -577,7 +623,7 @@ def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
     if uses.problem() is not None:
         return not_applicable(check, invariant, f"the uses cannot be observed "
                                                 f"({uses.problem()})")
-    ids, dx = _input_rows(uses.lookups, tie.vocab)
+    ids, dx = _input_rows(uses.lookups, tie.vocab, tie.padding_idx)
     h = torch.cat([u["h"] for u in uses.heads]).to(torch.float64).numpy()
     g = torch.cat([u["g"] for u in uses.heads]).to(torch.float64).numpy()
     paths = kernel_paths(ids, dx, h, g, tie.vocab, "float64")
