@@ -320,7 +320,8 @@ def _position_tables(model: nn.Module, embedding: str) -> list[int]:
     sequence longer than the shortest would index past it."""
     tied = embedding.rpartition(".")[0]
     return [int(m.num_embeddings) for name, m in model.named_modules()
-            if isinstance(m, nn.Embedding) and name != tied and "pos" in name.lower()]
+            if isinstance(m, nn.Embedding) and name != tied and
+            ("pos" in name.lower() or name.rpartition(".")[2] == "wpe")]
 
 
 def seq_len(model: nn.Module, target: TorchTarget, embedding: str = "") -> int:
