@@ -107,8 +107,8 @@ ATTACKS: list[tuple[str, list[str], str, int, list[str]]] = [
     # -- a shape beyond the machine (it tried to allocate 5.6 TiB, a traceback, exit 1)
     ("shape-of-a-billion-rows", ["check", "tied", "--shape", "1000000000,768,1024"], "", 2,
      ["--shape 1000000000,768,1024", "needs about", "TiB", "available"]),
-    ("shape-on-a-torch-model", ["check", "nanogpt", "--shape", "100,8,16"], "", 2,
-     ["--shape does not apply to --kind torch"]),
+    ("shape-not-the-torch-models", ["check", "nanogpt", "--shape", "100,8,16"], "", 2,
+     ["--shape does not fit the model", "V=61 d=16 (the model's)", "got V=100 d=8 N=16"]),
     # -- ids the model has no row for (an IndexError inside torch, exit 1)
     ("torch-token-beyond-the-vocabulary",
      ["check", "nanogpt", "--case", "absent-tokens", "--tokens", TORCH_TOKENS[:-2] + "3000",
@@ -352,3 +352,13 @@ def test_every_kernel_option_is_a_known_replay_key() -> None:
     words = {"reduction": "sum", "ce_weight": "drawn", "ignore_index": "-100"}
     for name in OPTION_NAMES:
         assert ce_problem(f"{name}={words.get(name, '0.5')}") is None, name
+
+
+def test_shape_sets_a_torch_models_batch_times_sequence(repo: Path) -> None:
+    # --shape was ignored by the torch kind: a lookup right only for the first 16 positions
+    # passed even with --shape 48,16,256.  N is the model's batch x sequence now.
+    out = run(repo, ["check", "nanogpt", "--kind", "torch", "--shape", "61,16,12",
+                     "--case", "repeated-tokens"])
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "N=12 (batch x sequence)" in text and "V=61 d=16 N=12" in text, text[-3000:]

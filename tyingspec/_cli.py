@@ -227,14 +227,14 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--tokens/--targets need --case")
     notes: list[str] = []
     if args.shape is not None:
-        if spec.own_shape:
-            parser.error(f"--shape does not apply to --kind {args.kind}: the model's shape "
-                         "(vocabulary, width, batch x context) is its own")
         from ._cases import at_shape, memory_problem
         from ._options import available_memory
 
         V, d, N = args.shape
-        problem = memory_problem(V, d, max(N, len(args.tokens or ())), available_memory())
+        # a model with a shape of its own (a torch model) keeps its V and d, checked against
+        # the model once it is loaded, and takes N as its batch x sequence
+        problem = None if spec.own_shape else memory_problem(
+            V, d, max(N, len(args.tokens or ())), available_memory())
         if problem is not None:
             parser.error(f"--shape {V},{d},{N}: {problem}; choose a smaller shape")
         cases, left_out = at_shape(cases, V, d, N)
