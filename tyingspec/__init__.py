@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._adapters import AdapterError, Returned, resolve
+    from ._api import assert_correct, check
     from ._cases import Batch, Case, build, standard_cases
-    from ._check import CaseResult, CheckReport, check_target
+    from ._check import CaseResult, CheckFailed, CheckReport, check_target
     from ._diagnosis import LABELS, ArrayCheck, Diagnosis, Label, Power, compare, diagnose
     from ._engine import Observation, Target, call, judge, load, observe, reference
     from ._finite import central_differences
@@ -31,6 +32,9 @@ _WHERE: dict[str, str] = {
     "Case": "._cases",
     "CaseResult": "._check",
     "CheckReport": "._check",
+    "CheckFailed": "._check",
+    "check": "._api",
+    "assert_correct": "._api",
     "Diagnosis": "._diagnosis",
     "Implementation": "._implementations",
     "LABELS": "._diagnosis",
@@ -76,6 +80,7 @@ __all__ = [
     "Batch",
     "Case",
     "CaseResult",
+    "CheckFailed",
     "CheckReport",
     "Diagnosis",
     "Implementation",
@@ -90,8 +95,10 @@ __all__ = [
     "Target",
     "Tolerance",
     "TorchTarget",
+    "assert_correct",
     "build",
     "call",
+    "check",
     "cases",
     "central_differences",
     "check_target",

@@ -177,6 +177,33 @@ class CheckReport:
         return {"correct": 0, "no_power": 1, "wrong": 1, "adapter_error": 2}[self.verdict]
 
     @property
+    def ok(self) -> bool:
+        """Every case reached a verdict and each was correct (what exit status 0 means)."""
+        return self.exit_code == 0
+
+    @property
+    def cases(self) -> list[CaseResult]:
+        """The case results, in the order they ran."""
+        return self.results
+
+    @property
+    def diagnosis(self) -> str:
+        """The report as a person reads it: the verdict and its label first, then each case
+        (what ``tyingspec check`` prints)."""
+        from ._report import render
+
+        label = self.diagnosis_label
+        head = f"{self.target} (--kind {self.kind}): {self.verdict}" + (
+            f" ({label})" if label != self.verdict else "")
+        return head + "\n" + render(self)
+
+    def raise_for_failure(self) -> None:
+        """Raise :class:`CheckFailed` (an ``AssertionError``, so pytest shows it as a test
+        failure) whose message is :attr:`diagnosis`, unless the report is :attr:`ok`."""
+        if not self.ok:
+            raise CheckFailed(self)
+
+    @property
     def diagnosis_label(self) -> str:
         labels = [r.diagnosis.label for r in self.results
                   if r.diagnosis is not None and r.status == "wrong"]
@@ -187,14 +214,28 @@ class CheckReport:
         return max(labels, key=labels.count)
 
 
-def check_target(spec: str, kind: str, seed: int, cases: list[Case], *,
+class CheckFailed(AssertionError):
+    """A check that did not pass: the message is the rendered diagnosis; ``report`` holds
+    every case."""
+
+    def __init__(self, report: CheckReport) -> None:
+        super().__init__(report.diagnosis)
+        self.report = report
+
+
+def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = None, *,
                  precision: PrecisionChoice = "auto", shrink_budget: float = DEFAULT_SHRINK_BUDGET,
                  on_result: Any = None, timeout: float = DEFAULT_TIMEOUT,
                  paths: tuple[str, ...] = ()) -> CheckReport:
     """Resolve ``spec`` and run it on every case; adapter errors are recorded, the run goes on.
     A ``module:attr`` target runs in a worker process (``paths`` first on its ``sys.path``,
-    ``timeout`` seconds per call).  ``on_result(result)`` is called as each case finishes."""
+    ``timeout`` seconds per call).  ``on_result(result)`` is called as each case finishes.
+    ``cases`` default to the kind's own (a linear-ce kernel's, a torch model's)."""
     report = CheckReport(spec, kind, seed, precision=precision)
+    if cases is None:
+        from ._kinds import kind_spec
+
+        cases = kind_spec(kind).cases(seed)
     if not cases:
         raise UsageError("no case to run, so there is no verdict")
     try:

@@ -76,7 +76,7 @@ def positive_seconds(text: str) -> float:
     return v
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
     """A command asked for something that cannot be run as given (exit status 2, one line).
 
     Raised below the command line (a check that would run no case, a replay's batch outside the
