@@ -28,6 +28,9 @@ class Finding:
     detail: str = ""
     label: Label | None = None  # set when failed
     evaluations: int = 0  # forward evaluations spent (directional differences)
+    # a passing gradient check shown to have power: the same check fails the gradient with its
+    # input path removed (a low-precision model's rows may not be able to tell)
+    power: bool = False
 
     @property
     def failed(self) -> bool:
@@ -43,8 +46,9 @@ class Finding:
         return f"{self.check}: {mark}{tail}"
 
 
-def passed(check: str, invariant: str, detail: str = "", evaluations: int = 0) -> Finding:
-    return Finding(check, invariant, "passed", detail, None, evaluations)
+def passed(check: str, invariant: str, detail: str = "", evaluations: int = 0,
+           power: bool = False) -> Finding:
+    return Finding(check, invariant, "passed", detail, None, evaluations, power)
 
 
 def failed(check: str, invariant: str, label: Label, detail: str,

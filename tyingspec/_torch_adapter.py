@@ -105,11 +105,17 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     if "forward" in checks:
         findings.append(_against_forward(build, tie, loss_of, t, y, own, seed,
                                          bool(evidence.get("input_reached", True)),
-                                         _rows_read(model, evidence, t, y)))
+                                         _rows_read(model, evidence, t, y),
+                                         _power_probe(build, evidence, tie)))
     if "fresh" in checks:
         findings.append(_fresh(build, tie, loss_of, t, y, unit))
     if "micro_batches" in checks:
-        findings.append(_micro_batches(build, tie, loss_of, t, y, own, unit))
+        findings.append(_micro_batches(build, tie, loss_of, t, y, own, unit) if not
+                        tie.scale_grad_by_freq else not_applicable(
+                            "micro-batches accumulate", _MICRO,
+                            "nn.Embedding(scale_grad_by_freq=True) divides by each token's "
+                            "count within a call, so micro-batches rightly differ from one "
+                            "batch"))
     if "steps" in checks:
         findings.append(_training_steps(build, target, tie, loss_of, t, y))
     evidence["tie"] = asdict(tie)
@@ -389,6 +395,20 @@ def _untied_split(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
             "output_reached": d_out is not None}
 
 
+def _power_probe(build: Build, evidence: dict[str, Any], tie: Tie) -> np.ndarray | None:
+    """The input path, for the forward check to show it could tell it missing, where the
+    rows may not: a low-precision model (its rounding bound can exceed a row), or uses that
+    could not be observed (the rows then are the model's own)."""
+    low = build.dtype in (torch.bfloat16, torch.float16)
+    if evidence.get("observed_by") == "uses":
+        if not low:
+            return None
+        dE_in = np.zeros((tie.vocab, tie.width))
+        np.add.at(dE_in, evidence["tokens"], evidence["dx"])
+        return dE_in
+    return np.asarray(evidence["dE_in"], dtype=np.float64)
+
+
 def _forward_model(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
                    y: torch.Tensor) -> tuple[nn.Module, float]:
     """The model the forward check differences, and the unit roundoff its loss is really
@@ -413,10 +433,12 @@ def _forward_model(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
 
 def _against_forward(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
                      y: torch.Tensor, own: np.ndarray, seed: int,
-                     input_reached: bool = True, read: frozenset[int] = frozenset()) -> Finding:
+                     input_reached: bool = True, read: frozenset[int] = frozenset(),
+                     input_path: np.ndarray | None = None) -> Finding:
     """``read``: the rows the lookups read (observed, or, where the uses could not be
     observed, the tokens, the targets an encoder-decoder's decoder reads and its start
-    token)."""
+    token).  ``input_path``: when given, a passing check is also run on the gradient without
+    it, and has power when that one fails."""
     from ._localize import BudgetExceeded, localize
 
     check = "gradient against the forward"
@@ -444,9 +466,14 @@ def _against_forward(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
         # skips that use by design; its directional derivative is not the model's gradient
         # there.  Where no lookup reads p, row p carries the output path alone and is checked.
         rows = rows[rows != pad]
+    if tie.scale_grad_by_freq:
+        # declared semantics too: a token read k times gets 1/k of its input path
+        counts = np.maximum(np.bincount(tokens_of(t), minlength=tie.vocab),
+                            np.bincount(tokens_of(y), minlength=tie.vocab))
+        rows = rows[counts[rows] <= 1]
     # the claimed gradient was rounded at the precision it was computed in, over sums of up
     # to one term per position and row
-    grad_rtol = max(2.0**-40, 64 * _unit(build.dtype))
+    grad_rtol = max(2.0**-40, 16 * _unit(build.dtype))
     budget = fd_budget(tie.vocab)
     try:
         found = localize(loss_along, own, seed=seed, rows=rows, max_evaluations=budget,
@@ -467,8 +494,20 @@ def _against_forward(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
                           f"a set of rows disagreed with the forward ({found.worst:.3g}x its "
                           f"tolerance) but no single row could be confirmed; {at}, "
                           f"{found.evaluations} forward evaluations", found.evaluations)
-        return passed(check, invariant, f"{found.evaluations} forward evaluations, {at}",
-                      found.evaluations)
+        power = False
+        if input_path is not None and np.any(input_path):
+            # the same check on the gradient without its input path must fail for this pass
+            # to count as evidence (a miss here is no power, never a failure)
+            try:
+                probe = localize(loss_along, own - input_path, seed=seed + 1, rows=rows,
+                                 max_evaluations=budget, e_scale=e_scale, unit=unit,
+                                 grad_rtol=grad_rtol)
+                power = bool(probe.wrong_rows) or probe.worst > 1
+            except BudgetExceeded:
+                power = True
+        return passed(check, invariant, f"{found.evaluations} forward evaluations, {at}"
+                      + ("; it fails the gradient without its input path" if power else ""),
+                      found.evaluations, power)
     label, why = _pattern(list(found.wrong_rows), tokens_of(t), tie, input_reached)
     return failed(check, invariant, label,
                   f"rows {list(found.wrong_rows)[:16]} disagree with the forward{why} "
@@ -501,7 +540,9 @@ def _pattern(wrong: list[int], tokens: np.ndarray, tie: Tie,
     if tie.padding_idx is not None and rows == {tie.padding_idx}:
         return "padding_row_masked", (f": row {tie.padding_idx} is padding_idx, whose output "
                                       "path is masked too")
-    if (rows == present or partial and rows <= present) and rows and not input_reached:
+    if rows <= present and not input_reached:
+        # autograd itself shows no input path (the rows found are those a dropped input path
+        # makes wrong; at low precision the smallest may stay within the forward's tolerance)
         return "input_path_missing", (": present rows only, and the lookup never reaches E "
                                       "through autograd")
     if repeated and rows <= repeated:
@@ -545,11 +586,14 @@ def _fresh(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor, y: torch.Tens
                   "the backward is not deterministic in train() mode with dropout off")
 
 
+_MICRO = ("k micro-batches, each backward of loss / k, sum to the gradient of one batch "
+          "holding them all (one sequence: two calls sum to the sum of their gradients)")
+
+
 def _micro_batches(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
                    y: torch.Tensor, own: np.ndarray, unit: float) -> Finding:
     check = "micro-batches accumulate"
-    invariant = ("k micro-batches, each backward of loss / k, sum to the gradient of one batch "
-                 "holding them all (one sequence: two calls sum to the sum of their gradients)")
+    invariant = _MICRO
     k = int(t.shape[0])
     count = _count(t, tie)
     if k < 2:

@@ -44,6 +44,7 @@ class Tie:
     targets_param: str | None = None  # the forward's targets parameter ("targets", "labels")
     targets_keyword: bool = False  # passed by keyword (a keyword-only parameter)
     no_cache: bool = False  # forward takes use_cache: passed False (RWKV needs it)
+    scale_grad_by_freq: bool = False  # the embedding divides by each token's count per call
 
 
 def as_target(spec: str, obj: Any) -> TorchTarget:
@@ -270,7 +271,9 @@ def describe(spec: str, model: nn.Module, target: TorchTarget) -> tuple[Tie, Fin
     return Tie(emb, head, V, d, None if pad is None else int(pad), conv,
                max(1, target.batch_size), seq_len(model, target, emb), how,
                targets_param=param, targets_keyword=keyword,
-               no_cache=_accepts(model, "use_cache")), finding
+               no_cache=_accepts(model, "use_cache"),
+               scale_grad_by_freq=bool(getattr(owner(model, emb), "scale_grad_by_freq",
+                                               False))), finding
 
 
 def _tie_by_uses(model: nn.Module, target: TorchTarget) -> str | None:
