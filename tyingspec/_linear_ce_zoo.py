@@ -75,11 +75,11 @@ CHUNK = 7
 BLOCK = 1024
 #: Chunks grow past this many (each costs Python and, in torch, autograd nodes: 1158 chunks
 #: of 7 at N = 8101 cost seconds), staying a size of their own, rarely a power of two.
-MAX_CHUNKS = 64
+MAX_CHUNKS = 16
 
 
 def chunk_rows(N: int) -> int:
-    """Rows per chunk for N tokens: CHUNK, or N / MAX_CHUNKS rounded up past 64 chunks."""
+    """Rows per chunk for N tokens: CHUNK, or N / MAX_CHUNKS rounded up past MAX_CHUNKS chunks."""
     return max(CHUNK, -(-N // MAX_CHUNKS))
 
 Array = npt.NDArray[Any]
