@@ -122,6 +122,12 @@ def writes_minus_zero_over_zero(E, W, b, tokens, targets, *, res, s_in):
     out = _good(E, W, b, tokens, targets, res=res, s_in=s_in)
     E[E == 0.0] = -0.0  # equal in value, other bits: still a write
     return out
+
+def in_bfloat16(E, W, b, tokens, targets, *, res, s_in):
+    from tyingspec._tolerance import numpy_dtype
+    out = dict(_good(E, W, b, tokens, targets, res=res, s_in=s_in))
+    out["dE"] = out["dE"].astype(numpy_dtype("bfloat16"))
+    return out
 """
 
 
@@ -243,6 +249,26 @@ def test_a_large_dE_comes_back_bit_for_bit_and_its_block_is_gone(
         # a new block each call: the first dE is left as it was
         assert not np.shares_memory(*got)
         assert got[0].tobytes() == got[1].tobytes() == here.dE.tobytes()
+    finally:
+        target.close()
+
+
+def test_a_large_bfloat16_dE_comes_back_as_bfloat16_bit_for_bit(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tyingspec._tolerance import numpy_dtype
+
+    (tmp_path / "writers.py").write_text(WRITERS)
+    batch = build(Case("big", V=1024, d=512, N=16, seed=3))
+    inputs = KINDS["model"].inputs(batch)
+    here = call_model("writers:clean", _good, inputs).dE.astype(numpy_dtype("bfloat16"))
+    target = load("writers:in_bfloat16", "model", paths=(str(tmp_path),))
+    try:
+        assert target.worker is not None
+        got = target.worker.invoke(inputs)
+        # through shared memory, not as the void dtype its .str names ('<V2')
+        assert got.dE.nbytes >= SHARE_ABOVE
+        assert got.dE.dtype == numpy_dtype("bfloat16") and got.precision == "bfloat16"
+        assert got.dE.tobytes() == here.tobytes()
     finally:
         target.close()
 
