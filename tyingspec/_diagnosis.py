@@ -26,7 +26,7 @@ Label = Literal["correct", "no_power", "forward_mismatch", "precision_limited",
                 "gradient_not_zeroed", "input_path_wrong", "output_path_wrong",
                 "other_gradient_wrong", "inputs_mutated", "tie_lost", "optimizer_sees_tie_twice",
                 "gradient_assigned", "gradient_disagrees_with_forward", "padding_row_masked",
-                "padding_row_unmasked", "padding_idx_on_real_token",
+                "padding_row_unmasked", "padding_idx_on_real_token", "loss_misnormalised",
                 "logit_scale_dropped", "logit_scale_twice", "softcap_derivative_missing",
                 "label_smoothing_misweighted", "z_loss_missing", "ignored_counted_in_mean",
                 "ignored_not_zeroed", "grad_output_broadcast", "dE_wrong_dh_right",
@@ -75,6 +75,9 @@ LABELS: dict[Label, str] = {
                                  "the input path of a token the batch uses as a real token, "
                                  "and nothing declares it padding, so that token's embedding "
                                  "never learns from its reads",
+    "loss_misnormalised": "loss mis-normalised: the model's own loss is a count multiple of "
+                          "the mean token cross-entropy (a sum divided by the number of "
+                          "sequences, not of tokens), and its gradient is scaled with it",
     "logit_scale_dropped": "logit scale dropped from the backward: the gradients are 1/s times "
                            "the right ones (a 0.0625 scale: 16x too large)",
     "logit_scale_twice": "logit scale applied twice in the backward: the gradients are s times "

@@ -26,11 +26,12 @@ at the precision its loss is really computed at otherwise.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._adapters import AdapterError, Returned
@@ -102,6 +103,8 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
             "cannot be vouched for; the tied gradient is checked against the forward instead"))
     if tie.padding_idx is not None:
         findings.append(_padding_row(model, tie, _rows_read(model, evidence, t, y)))
+    if tie.convention in ("labels", "targets"):
+        findings.append(_own_loss(build, tie, t, y))
     if "forward" in checks:
         findings.append(_against_forward(build, tie, loss_of, t, y, own, seed,
                                          bool(evidence.get("input_reached", True)),
@@ -117,7 +120,7 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
                             "count within a call, so micro-batches rightly differ from one "
                             "batch"))
     if "steps" in checks:
-        findings.append(_training_steps(build, target, tie, loss_of, t, y))
+        findings.append(_training_steps(build, target, tie, loss_of, t, y, seed))
     evidence["tie"] = asdict(tie)
     return Returned(own, (), build.precision, loss=loss, evidence=evidence,
                     findings=tuple(findings))
@@ -291,6 +294,71 @@ def _observe_paths(build: Build, m: nn.Module, tie: Tie, loss_of: Loss, t: torch
     return evidence, own, loss
 
 
+_MEAN_CE = ("the model's own loss is the mean token cross-entropy of its own logits (causal "
+            "or unshifted targets)")
+
+
+def _loss_and_logits(m: nn.Module, tie: Tie, t: torch.Tensor, y: torch.Tensor,
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The loss and the logits one call of the model's own convention returns."""
+    extra: dict[str, Any] = {"use_cache": False} if tie.no_cache else {}
+    if tie.convention == "labels":
+        out = m(input_ids=t, labels=y, **extra)
+    elif tie.targets_keyword:
+        out = m(t, **{tie.targets_param or "targets": y}, **extra)
+    else:
+        out = m(t, y, **extra)
+    parts = list(out) if isinstance(out, (tuple, list)) else [
+        getattr(out, "loss", None), getattr(out, "logits", None)]
+    tensors = [p for p in parts if isinstance(p, torch.Tensor)]
+    loss = next((p for p in tensors if p.dim() == 0), None)
+    logits = next((p for p in tensors if p.dim() >= 2 and p.shape[-1] == tie.vocab), None)
+    return loss, logits
+
+
+def _own_loss(build: Build, tie: Tie, t: torch.Tensor, y: torch.Tensor) -> Finding:
+    """The loss a model trains with is part of what is judged: a sum over tokens divided by
+    the number of sequences (the class of transformers' 2024 gradient-accumulation bug)
+    scales the gradient with it, and no row can show that, because both paths scale alike."""
+    check = "loss is the mean token cross-entropy"
+    m = build.fresh()
+    torch.manual_seed(build.seed + 1)
+    with torch.no_grad():
+        try:
+            loss, logits = _loss_and_logits(m, tie, t, y)
+        except Exception as exc:  # noqa: BLE001  (the forward's own errors show elsewhere)
+            return not_applicable(check, _MEAN_CE, f"the forward raised {exc!r}"[:200])
+    if loss is None or logits is None or logits.shape[:-1] != y.shape:
+        return not_applicable(check, _MEAN_CE, "the model returns no logits beside its loss")
+    z = logits.detach().double()
+    V = z.shape[-1]
+    candidates = {"unshifted": F.cross_entropy(z.reshape(-1, V), y.reshape(-1)),
+                  "causal": F.cross_entropy(z[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))}
+    got = float(loss)
+    u = _unit(loss.dtype if loss.is_floating_point() else None)
+    atol = 64 * u * (1.0 + float(z.abs().max()))
+    if any(abs(got - float(c)) <= atol + 64 * u * abs(float(c)) for c in candidates.values()):
+        return passed(check, _MEAN_CE)
+    B, T = (int(n) for n in y.shape)
+    counts = {T: f"T = {T}", T - 1: f"T - 1 = {T - 1}", B: f"B = {B}", B * T: "B x T",
+              1 / B: "1 / B", 1 / T: "1 / T"}
+    for name, c in candidates.items():
+        ratio = got / float(c) if float(c) else float("nan")
+        for value, what in counts.items():
+            if value != 1 and abs(ratio - value) <= 1e-3 * value:
+                return failed(check, _MEAN_CE, "loss_misnormalised",
+                              f"the loss is {ratio:.6g} x the mean {name} token cross-entropy "
+                              f"of the model's own logits ({what}, for a batch of B = {B} "
+                              f"sequences of T = {T}): a sum over tokens divided by the number "
+                              "of sequences, not of tokens, and the gradient is scaled with it")
+    causal, unshifted = float(candidates["causal"]), float(candidates["unshifted"])
+    return not_applicable(check, _MEAN_CE, f"the loss ({got:.6g}) is no count multiple of "
+                          f"the mean token cross-entropy of its logits ({causal:.6g} causal, "
+                          f"{unshifted:.6g} unshifted): an auxiliary term, "
+                          "a weighting or smoothing; not judged (name the loss with "
+                          "TorchTarget(loss=...) to have it checked)")
+
+
 #: Where a model or its config names its padding token.
 _PAD_KEYS = ("pad_token_id", "padding_idx", "pad_id", "pad_idx", "pad_token")
 
@@ -439,12 +507,23 @@ def _against_forward(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
     observed, the tokens, the targets an encoder-decoder's decoder reads and its start
     token).  ``input_path``: when given, a passing check is also run on the gradient without
     it, and has power when that one fails."""
+    m, unit = _forward_model(build, tie, loss_of, t, y)
+    return _differenced(m, unit, build.dtype, tie, loss_of, t, y, own, seed, input_reached,
+                        read, input_path, "gradient against the forward", _AGAINST)
+
+
+_AGAINST = ("the tied gradient agrees with directional central differences of the loss, row "
+            "sets split until the disagreeing rows are found")
+
+
+def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie, loss_of: Loss,
+                 t: torch.Tensor, y: torch.Tensor, own: np.ndarray, seed: int,
+                 input_reached: bool, read: frozenset[int], input_path: np.ndarray | None,
+                 check: str, invariant: str) -> Finding:
+    """``own`` against directional differences of ``m``'s loss, whose rounding is ``unit``
+    (``dtype``: what ``own`` was computed in)."""
     from ._localize import BudgetExceeded, localize
 
-    check = "gradient against the forward"
-    invariant = ("the tied gradient agrees with directional central differences of the "
-                 "loss, row sets split until the disagreeing rows are found")
-    m, unit = _forward_model(build, tie, loss_of, t, y)
     E = m.get_parameter(tie.embedding)
     e_scale = float(E.detach().double().std()) or 1.0
 
@@ -473,7 +552,7 @@ def _against_forward(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
         rows = rows[counts[rows] <= 1]
     # the claimed gradient was rounded at the precision it was computed in, over sums of up
     # to one term per position and row
-    grad_rtol = max(2.0**-40, 16 * _unit(build.dtype))
+    grad_rtol = max(2.0**-40, 16 * _unit(dtype))
     budget = fd_budget(tie.vocab)
     try:
         found = localize(loss_along, own, seed=seed, rows=rows, max_evaluations=budget,
@@ -634,7 +713,7 @@ TRAINING_STEPS = 3
 
 
 def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
-                    t: torch.Tensor, y: torch.Tensor) -> Finding:
+                    t: torch.Tensor, y: torch.Tensor, seed: int) -> Finding:
     """A training loop's gradient after ``TRAINING_STEPS`` optimizer steps, judged row by row
     against the reference built from that step's own uses, with the same engine."""
     from ._cases import kernel_paths
@@ -664,16 +743,21 @@ def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
     with observed_uses(E) as uses:
         loss = loss_of(m, t, y)
     loss.backward()  # type: ignore[no-untyped-call]
+    steps = f"after {TRAINING_STEPS} steps of {type(opt).__name__}"
     if uses.problem() is not None:
-        return not_applicable(check, invariant, f"the uses cannot be observed "
-                                                f"({uses.problem()})")
+        # the uses this step takes cannot be vouched for (a lookup that switched to a custom
+        # kernel): this step's gradient against the stepped model's own forward instead
+        why = _differenced(m, _unit(uses.least_precise), build.dtype, tie, loss_of, t, y,
+                           _grad(m, tie), seed, True, frozenset(tokens_of(t).tolist()), None,
+                           check, invariant)
+        where = f"{steps}, against the forward (the uses cannot be observed: {uses.problem()})"
+        return replace(why, detail=f"{where}: {why.detail}")
     ids, dx = _input_rows(uses.lookups, tie.vocab, tie.padding_idx)
     h = torch.cat([u["h"] for u in uses.heads]).to(torch.float64).numpy()
     g = torch.cat([u["g"] for u in uses.heads]).to(torch.float64).numpy()
     paths = kernel_paths(ids, dx, h, g, tie.vocab, "float64")
     diag = diagnose(_grad(m, tie), paths, dtype=build.precision)
     if not diag.wrong:
-        return passed(check, invariant, f"{TRAINING_STEPS} steps of {type(opt).__name__}")
+        return passed(check, invariant, steps)
     return failed(check, invariant, diag.label,
-                  f"after {TRAINING_STEPS} steps of {type(opt).__name__}: rows "
-                  f"{diag.wrong_rows[:16]} wrong ({diag.detail})")
+                  f"{steps}: rows {diag.wrong_rows[:16]} wrong ({diag.detail})")
