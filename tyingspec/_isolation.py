@@ -523,18 +523,17 @@ def _serve(conn: Connection, spec: str, kind: str, paths: tuple[str, ...]) -> No
 
 
 def _load_and_answer(conn: Connection, spec: str, kind: str, paths: tuple[str, ...]) -> None:
+    """Import the target and say how that went, then answer calls until told to stop."""
     for path in reversed(paths):
         if path not in sys.path:
             sys.path.insert(0, path)
-    from ._adapters import AdapterError, resolve, signature_problem
-    from ._kinds import KINDS
+    from ._adapters import AdapterError, resolve
+    from ._kinds import KINDS, fitting
 
     table = KINDS[kind]  # type: ignore[index]
     try:
         fn = resolve(spec, kind)
-        problem = signature_problem(fn, table.positional, table.keywords)
-        fits = [k for k, t in KINDS.items()
-                if k != kind and signature_problem(fn, t.positional, t.keywords) is None]
+        problem, fits = fitting(fn, kind)
         _send(conn, spec, ("loaded", problem, fits))
     except AdapterError as exc:
         _send(conn, spec, ("error", exc))
