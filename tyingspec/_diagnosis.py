@@ -97,8 +97,8 @@ LABELS: dict[Label, str] = {
     "dE_wrong_dh_right": "the kernel's dE is wrong while its dh is right",
     "dh_wrong_dE_right": "the kernel's dh is wrong while its dE is right",
     "bias_gradient_wrong": "the bias gradient db is wrong while dh and dE are right",
-    "not_finite": "not finite: the kernel returned inf or NaN where the loss is finite "
-                  "(a logsumexp without the max shift overflows at |logit| ~ 1e4)",
+    "not_finite": "not finite: the kernel returned inf or NaN where the reference is finite "
+                  "(the report names the outputs and entries)",
     "unknown": "wrong, unexplained by the catalogue: see the wrong rows",
 }
 

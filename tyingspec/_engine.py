@@ -30,11 +30,11 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from ._adapters import AdapterError, Returned, resolve, signature_problem
+from ._adapters import AdapterError, Returned, resolve
 from ._cases import PROBE_CASES, Batch, Case, at_shape, build, sgd_step
 from ._diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
 from ._isolation import DEFAULT_TIMEOUT, Worker
-from ._kinds import KINDS, Kind, KindSpec, kind_spec
+from ._kinds import KINDS, Kind, KindSpec, fitting, kind_spec
 from ._probe import Paths, closed_form_paths
 from ._tolerance import (
     LOWER,
@@ -142,9 +142,7 @@ def load(spec: str, kind: str, precision: PrecisionChoice = "auto", *,
         problem, fits = worker.signature_problem, worker.fits
     else:
         fn = resolve(spec, kind)
-        problem = signature_problem(fn, table.positional, table.keywords)
-        fits = [k for k, t in KINDS.items()
-                if k != kind and signature_problem(fn, t.positional, t.keywords) is None]
+        problem, fits = fitting(fn, table.name)
     if problem is not None:
         if worker is not None:
             worker.stop()

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from ._adapters import Returned, call_kernel, call_model
+from ._adapters import Returned, call_kernel, call_model, signature_problem
 from ._cases import Batch, Case, kernel_paths, model_reference, standard_cases
 from ._probe import Paths, forward_parts
 from ._registry import Implementation
@@ -65,6 +65,15 @@ class KindSpec:
     # True when the target runs in its own dtype unless one is declared: the engine hands it
     # ``precision`` ("auto" or the declared one) with its inputs (a torch model)
     takes_precision: bool = False
+    # why a callable is not an adapter of this kind, when the positional/keyword names cannot
+    # say (a linear-ce kernel class: options in its constructor, the arrays in ``forward``)
+    signature: Callable[[Callable[..., Any]], str | None] | None = None
+
+    def mismatch(self, fn: Callable[..., Any]) -> str | None:
+        """Why ``fn`` does not look like an adapter of this kind; None when it does."""
+        if self.signature is not None:
+            return self.signature(fn)
+        return signature_problem(fn, self.positional, self.keywords)
 
 
 def _model_inputs(batch: Batch) -> Inputs:
@@ -134,6 +143,12 @@ def _ce_invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
     from ._linear_ce_adapter import call_linear_ce  # torch only for a torch-form kernel
 
     return call_linear_ce(spec, fn, inputs)
+
+
+def _ce_signature(fn: Callable[..., Any]) -> str | None:
+    from ._linear_ce_adapter import signature_problem as ce_problem
+
+    return ce_problem(fn)
 
 
 def _ce_inputs(batch: Batch) -> Inputs:
@@ -225,8 +240,15 @@ KINDS: dict[Kind, KindSpec] = {
         positional=("h", "E", "targets", "b"), keywords=(), inputs=_ce_inputs,
         invoke=_ce_invoke, reference=_ce_reference, second_call="repeat",
         properties=("ce_kernel_outputs", "ce_tie_is_the_sum_of_paths"),
-        builtins=_ce_builtins, complete=_ce_complete, cases=_ce_cases, unfit=_ce_unfit),
+        builtins=_ce_builtins, complete=_ce_complete, cases=_ce_cases, unfit=_ce_unfit,
+        signature=_ce_signature),
 }
+
+
+def fitting(fn: Callable[..., Any], kind: str) -> tuple[str | None, list[str]]:
+    """Why ``fn`` is not a ``kind`` adapter (None when it is), and the other kinds it fits."""
+    return KINDS[kind].mismatch(fn), [  # type: ignore[index]
+        k for k, t in KINDS.items() if k != kind and t.mismatch(fn) is None]
 
 
 def kind_spec(name: str) -> KindSpec:
