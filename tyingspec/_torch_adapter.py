@@ -239,8 +239,10 @@ def _scalar(spec: str, loss_of: Loss, seed: int,
             raise AdapterError(spec, "the loss is not a scalar tensor",
                                expected="a 0-dim tensor", got=repr(loss)[:80])
         if after_backward is not None and loss.requires_grad:
+            # the user's own model, also when the check calls it through a wrapper
+            user = m.inner if isinstance(m, _Untied) else m
             loss.register_hook(  # type: ignore[no-untyped-call]
-                lambda g: _after(m, after_backward))
+                lambda g: _after(user, after_backward))
         return loss
     return checked
 
@@ -427,6 +429,18 @@ def _input_rows(lookups: list[dict[str, Any]], V: int,
     return np.concatenate(all_ids), np.concatenate(all_dx)
 
 
+class _Untied(nn.Module):
+    """The model called with each use's own copy of the tied weight (``functional_call``)."""
+
+    def __init__(self, inner: nn.Module, given: dict[str, torch.Tensor],
+                 call: Callable[..., Any]) -> None:
+        super().__init__()
+        self.inner, self.given, self.call = inner, given, call
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(self.inner, self.given, args, kwargs, tie_weights=False)
+
+
 def _untied_split(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
                   y: torch.Tensor) -> dict[str, Any]:
     """Each use's gradient from the model's own backward, the uses handed separate copies:
@@ -445,15 +459,7 @@ def _untied_split(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
     if tie.head not in names:  # two Parameters (a copy): the head's own name
         given[tie.head] = E_out
 
-    class Untied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = base
-
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            return functional_call(base, given, args, kwargs, tie_weights=False)
-
-    loss = loss_of(Untied(), t, y)
+    loss = loss_of(_Untied(base, given, functional_call), t, y)
     d_in, d_out = torch.autograd.grad(loss, (E_in, E_out), allow_unused=True)
     shape = (tie.vocab, tie.width)
     # d_in None: the lookup never reaches E through autograd (a detached read, or a custom
