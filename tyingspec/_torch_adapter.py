@@ -102,13 +102,14 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
             f"a use of the tied weight cannot be observed ({evidence['why']}), so dx, h and g "
             "cannot be vouched for; the tied gradient is checked against the forward instead"))
     if tie.padding_idx is not None:
-        findings.append(_padding_row(model, tie, _rows_read(model, evidence, t, y)))
+        findings.append(_padding_row(model, tie, frozenset(
+            _reads(model, evidence, t, y).tolist())))
     if tie.convention in ("labels", "targets"):
         findings.append(_own_loss(build, tie, t, y))
     if "forward" in checks:
         findings.append(_against_forward(build, tie, loss_of, t, y, own, seed,
                                          bool(evidence.get("input_reached", True)),
-                                         _rows_read(model, evidence, t, y),
+                                         _reads(model, evidence, t, y),
                                          _power_probe(build, evidence, tie)))
     if "fresh" in checks:
         findings.append(_fresh(build, tie, loss_of, t, y, unit))
@@ -396,13 +397,20 @@ def _padding_row(model: nn.Module, tie: Tie, read: frozenset[int]) -> Finding:
                   "padding_idx, or name the pad token in the config")
 
 
-def _rows_read(model: nn.Module, evidence: dict[str, Any], t: torch.Tensor,
-               y: torch.Tensor) -> frozenset[int]:
+def _reads(model: nn.Module, evidence: dict[str, Any], t: torch.Tensor,
+           y: torch.Tensor) -> np.ndarray:
+    """The ids the lookups read, with their multiplicity: observed, or, where the uses could
+    not be observed, the tokens and, for an encoder-decoder, the decoder's inputs (the labels
+    shifted right behind its start token, as transformers builds them)."""
     if evidence.get("observed_by") == "uses":
-        return frozenset(int(i) for i in np.unique(evidence["tokens"]))
-    start = getattr(getattr(model, "config", None), "decoder_start_token_id", None)
-    rows = set(tokens_of(t).tolist()) | set(tokens_of(y).tolist())
-    return frozenset(rows | ({int(start)} if isinstance(start, int) else set()))
+        return np.asarray(evidence["tokens"], dtype=np.int64)
+    config = getattr(model, "config", None)
+    start = getattr(config, "decoder_start_token_id", None)
+    if not getattr(config, "is_encoder_decoder", False) or not isinstance(start, int):
+        return tokens_of(t)
+    decoder = np.concatenate([np.full((y.shape[0], 1), start, dtype=np.int64),
+                              y[:, :-1].numpy().astype(np.int64)], axis=1)
+    return np.concatenate([tokens_of(t), decoder.reshape(-1)])
 
 
 def _input_rows(lookups: list[dict[str, Any]], V: int,
@@ -507,15 +515,14 @@ def _forward_model(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
 
 def _against_forward(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
                      y: torch.Tensor, own: np.ndarray, seed: int,
-                     input_reached: bool = True, read: frozenset[int] = frozenset(),
+                     input_reached: bool, reads: np.ndarray,
                      input_path: np.ndarray | None = None) -> Finding:
-    """``read``: the rows the lookups read (observed, or, where the uses could not be
-    observed, the tokens, the targets an encoder-decoder's decoder reads and its start
-    token).  ``input_path``: when given, a passing check is also run on the gradient without
-    it, and has power when that one fails."""
+    """``reads``: the ids the lookups read (see :func:`_reads`).  ``input_path``: when given,
+    a passing check is also run on the gradient without it, and has power when that one
+    fails."""
     m, unit = _forward_model(build, tie, loss_of, t, y)
     return _differenced(m, unit, build.dtype, tie, loss_of, t, y, own, seed, input_reached,
-                        read, input_path, "gradient against the forward", _AGAINST)
+                        reads, input_path, "gradient against the forward", _AGAINST)
 
 
 _AGAINST = ("the tied gradient agrees with directional central differences of the loss, row "
@@ -524,7 +531,7 @@ _AGAINST = ("the tied gradient agrees with directional central differences of th
 
 def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie, loss_of: Loss,
                  t: torch.Tensor, y: torch.Tensor, own: np.ndarray, seed: int,
-                 input_reached: bool, read: frozenset[int], input_path: np.ndarray | None,
+                 input_reached: bool, reads: np.ndarray, input_path: np.ndarray | None,
                  check: str, invariant: str) -> Finding:
     """``own`` against directional differences of ``m``'s loss, whose rounding is ``unit``
     (``dtype``: what ``own`` was computed in)."""
@@ -546,15 +553,14 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
 
     rows = np.arange(tie.vocab)
     pad = tie.padding_idx
-    if pad is not None and pad in read:
+    if pad is not None and np.any(reads == pad):
         # padding_idx: the forward reads row p wherever a lookup is handed p, the backward
         # skips that use by design; its directional derivative is not the model's gradient
         # there.  Where no lookup reads p, row p carries the output path alone and is checked.
         rows = rows[rows != pad]
     if tie.scale_grad_by_freq:
         # declared semantics too: a token read k times gets 1/k of its input path
-        counts = np.maximum(np.bincount(tokens_of(t), minlength=tie.vocab),
-                            np.bincount(tokens_of(y), minlength=tie.vocab))
+        counts = np.bincount(reads, minlength=tie.vocab)
         rows = rows[counts[rows] <= 1]
     # the claimed gradient was rounded at the precision it was computed in, over sums of up
     # to one term per position and row
@@ -565,7 +571,7 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
                          e_scale=e_scale, unit=unit, grad_rtol=grad_rtol)
     except BudgetExceeded as exc:
         # many wrong rows: the rows confirmed so far, and how many are left undecided
-        label, why = _pattern(list(exc.found), tokens_of(t), tie, input_reached, partial=True)
+        label, why = _pattern(list(exc.found), reads, tie, input_reached, partial=True)
         return failed(check, invariant, label,
                       f"rows {list(exc.found)[:16]} (and {exc.unresolved} rows not yet "
                       f"decided) disagree with the forward{why} (stopped at the budget of "
@@ -575,9 +581,14 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
         if found.worst > 1:
             # a set disagreed and no single row could be confirmed: what was seen to disagree
             # is never cleared by the sets that agreed after it
-            return failed(check, invariant, "gradient_disagrees_with_forward",
+            # a label only from evidence beyond the rows: autograd shows no input path
+            label = "gradient_disagrees_with_forward" if input_reached else \
+                "input_path_missing"
+            why = "" if input_reached else (", and the lookup never reaches E through "
+                                            "autograd")
+            return failed(check, invariant, label,
                           f"a set of rows disagreed with the forward ({found.worst:.3g}x its "
-                          f"tolerance) but no single row could be confirmed; {at}, "
+                          f"tolerance) but no single row could be confirmed{why}; {at}, "
                           f"{found.evaluations} forward evaluations", found.evaluations)
         power = False
         if input_path is not None and np.any(input_path):
@@ -593,7 +604,7 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
         return passed(check, invariant, f"{found.evaluations} forward evaluations, {at}"
                       + ("; it fails the gradient without its input path" if power else ""),
                       found.evaluations, power)
-    label, why = _pattern(list(found.wrong_rows), tokens_of(t), tie, input_reached)
+    label, why = _pattern(list(found.wrong_rows), reads, tie, input_reached)
     return failed(check, invariant, label,
                   f"rows {list(found.wrong_rows)[:16]} disagree with the forward{why} "
                   f"({found.evaluations} forward evaluations, {at})", found.evaluations)
@@ -630,7 +641,8 @@ def _pattern(wrong: list[int], tokens: np.ndarray, tie: Tie,
         # makes wrong; at low precision the smallest may stay within the forward's tolerance)
         return "input_path_missing", (": present rows only, and the lookup never reaches E "
                                       "through autograd")
-    if repeated and rows <= repeated:
+    if repeated and rows <= repeated and not partial:
+        # (a set the budget left partial is only the order the search went in: no pattern)
         return "duplicates_not_accumulated", ": exactly rows of tokens seen more than once"
     if rows == present:
         return "input_path_wrong", ": exactly the rows of tokens in the batch"
@@ -754,7 +766,7 @@ def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
         # the uses this step takes cannot be vouched for (a lookup that switched to a custom
         # kernel): this step's gradient against the stepped model's own forward instead
         why = _differenced(m, _unit(uses.least_precise), build.dtype, tie, loss_of, t, y,
-                           _grad(m, tie), seed, True, frozenset(tokens_of(t).tolist()), None,
+                           _grad(m, tie), seed, True, _reads(m, {}, t, y), None,
                            check, invariant)
         where = f"{steps}, against the forward (the uses cannot be observed: {uses.problem()})"
         return replace(why, detail=f"{where}: {why.detail}")

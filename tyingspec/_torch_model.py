@@ -322,7 +322,9 @@ def _position_tables(model: nn.Module, embedding: str) -> list[int]:
     """The sizes of the model's learned position tables (an Embedding named like one): a
     sequence longer than the shortest would index past it."""
     tied = embedding.rpartition(".")[0]
-    return [int(m.num_embeddings) for name, m in model.named_modules()
+    # RoBERTa counts positions from padding_idx + 1: its table holds that many fewer
+    return [int(m.num_embeddings) - (0 if m.padding_idx is None else int(m.padding_idx) + 1)
+            for name, m in model.named_modules()
             if isinstance(m, nn.Embedding) and name != tied and
             ("pos" in name.lower() or name.rpartition(".")[2] == "wpe")]
 

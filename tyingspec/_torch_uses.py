@@ -17,10 +17,14 @@ tensor derived from it by a transpose or a dtype cast, and calls it unchanged:
   afterwards, CTRL's ``x *= sqrt(d)``, is accounted for by autograd as it should be);
 * a head: ``F.linear(h, E)`` and ``h @ E.T`` (``matmul``, ``mm``, ``@``), with a hook on the
   output recording ``g``;
+* a custom ``autograd.Function`` handed ``E`` (a hand-written lookup or fused head): its
+  forward runs under no_grad, so it is judged by what it returns: ``E[ids]`` for ids its
+  forward looked up is a lookup, ``h @ E.T`` is a head, and the gradient reaching that output
+  is recorded whatever the Function's own backward does with it;
 * anything else that takes ``E`` and returns a tensor, or a use whose output takes no gradient
-  (inside an ``autograd.Function``, under ``no_grad``, a detached weight), is a use the
-  reference cannot vouch for: it is named, and the check falls back to the model's own
-  backward of each use, checked against the forward.
+  (under ``no_grad``, a detached weight), is a use the reference cannot vouch for: it is
+  named, and the check falls back to the model's own backward of each use, checked against
+  the forward.
 
 Nothing is replaced: the model computes exactly what it computes without the mode, and its own
 backward fills ``E.grad``.  The mode also records the least precise floating dtype any
@@ -94,6 +98,9 @@ def _name(func: Any) -> str:
 class _Mode(TorchFunctionMode):
     def __init__(self, E: torch.Tensor, uses: Uses) -> None:
         super().__init__()
+        self.E = E
+        self.inside_function = 0  # depth of custom autograd.Function forwards running
+        self.pending: list[torch.Tensor] = []  # ids a Function's forward looked up
         # id -> (tensor, orientation): "E" for E or a cast of it, "T" for a transpose.  The
         # tensor is held so that its id is not reused while the pass runs.
         self.tracked: dict[int, tuple[torch.Tensor, str]] = {id(E): (E, "E")}
@@ -181,6 +188,10 @@ class _Mode(TorchFunctionMode):
 
     def _lookup(self, func: Any, ids: torch.Tensor, options: dict[str, Any],
                 out: torch.Tensor) -> None:
+        if self.inside_function:
+            # inside a custom autograd.Function's forward: what it returns decides
+            self.pending.append(ids.detach().reshape(-1).long().clone())
+            return
         if not out.requires_grad:
             self.uses.unobserved.append(
                 f"a lookup ({_name(func)}) whose output takes no gradient (inside an "
@@ -193,6 +204,8 @@ class _Mode(TorchFunctionMode):
             lambda g, r=record: _store(r, "dx", g))
 
     def _head(self, h: Any, out: torch.Tensor) -> None:
+        if self.inside_function:
+            return  # what the custom Function returns decides (see _function_apply)
         if not isinstance(h, torch.Tensor) or not out.requires_grad:
             self.uses.unobserved.append("a head whose output takes no gradient")
             return
@@ -200,6 +213,49 @@ class _Mode(TorchFunctionMode):
         self.uses.heads.append(record)
         out.register_hook(  # type: ignore[no-untyped-call]
             lambda g, r=record: _store(r, "g", g))
+
+
+def _function_apply(mode: _Mode, original: Any) -> Any:
+    """``autograd.Function.apply`` for the observed pass.  A custom Function handed E does its
+    own forward under no_grad, so its reads of E take no gradient; but what it *returns* is
+    observable.  A Function whose forward looked up rows ``ids`` of E and returned exactly
+    ``E[ids]`` is a lookup, and one handed ``(h, E)`` that returned ``h @ E.T`` is a head: the
+    gradient reaching that output is ``dx`` (or ``g``), whatever its own backward then does
+    with it.  Anything else stays a use no reference can vouch for."""
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if not any(mode._orientation(a) is not None for a in args):
+            return original(cls, *args, **kwargs)
+        before, pending = len(mode.uses.unobserved), len(mode.pending)
+        mode.inside_function += 1
+        try:
+            out = original(cls, *args, **kwargs)
+        finally:
+            mode.inside_function -= 1
+        looked_up = mode.pending[pending:]
+        del mode.pending[pending:]
+        if isinstance(out, torch.Tensor) and out.requires_grad and not mode.inside_function:
+            W = mode.E.detach()
+            if len(looked_up) == 1 and out.shape[:-1].numel() == looked_up[0].numel() and \
+                    out.shape[-1] == W.shape[1] and torch.equal(
+                        out.detach().reshape(-1, W.shape[1]), W[looked_up[0]].to(out.dtype)):
+                del mode.uses.unobserved[before:]
+                mode._lookup(cls.apply, looked_up[0], {}, out)
+                return out
+            heads = [a for a in args if isinstance(a, torch.Tensor) and
+                     mode._orientation(a) is None and a.shape[-1:] == W.shape[1:]]
+            if not looked_up and len(heads) == 1 and out.shape[-1] == W.shape[0]:
+                expect = torch.nn.functional.linear(heads[0].detach().to(W.dtype), W)
+                scale = float(expect.abs().max()) or 1.0
+                if torch.allclose(out.detach().to(W.dtype).reshape(expect.shape), expect,
+                                  rtol=1e-5, atol=1e-5 * scale):
+                    del mode.uses.unobserved[before:]
+                    mode._head(heads[0], out)
+                    return out
+        if not mode.inside_function:
+            mode.uses.unobserved.append(f"a custom autograd.Function ({cls.__name__}) handed "
+                                        "the tied weight, returning neither E[ids] nor h @ E.T")
+        return out
+    return apply
 
 
 def _store(record: dict[str, Any], key: str, g: torch.Tensor) -> None:
@@ -215,8 +271,18 @@ class observed_uses:  # noqa: N801  (used as a context manager, like torch's mod
         self._mode = _Mode(E, self.uses)
 
     def __enter__(self) -> Uses:
+        from torch.autograd.function import Function
+
+        self._original = Function.__dict__["apply"]
+        Function.apply = classmethod(  # type: ignore[assignment,method-assign]
+            _function_apply(self._mode, self._original.__func__))
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self.uses
 
     def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)  # type: ignore[no-untyped-call]
+        from torch.autograd.function import Function
+
+        try:
+            self._mode.__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            Function.apply = self._original  # type: ignore[method-assign]

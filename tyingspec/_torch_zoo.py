@@ -257,8 +257,9 @@ def _nanogpt_classes() -> dict[str, type[nn.Module]]:
         @staticmethod
         def halved_wgrad(weight: Tensor, wgrad: Tensor) -> Tensor | None:
             # the bug: the backward halves the head's weight gradient (as if averaging the two
-            # uses).  Untying cannot show it (both uses go through this same backward); only
-            # the loss itself, differenced along a direction, contradicts it.
+            # uses).  Untying cannot show it (both uses go through this same backward); the
+            # reference built from the Function's observed output, and the loss itself
+            # differenced along a direction, both contradict it.
             return 0.5 * wgrad
 
     class LookupNoAccumulate(torch.autograd.Function):
@@ -397,7 +398,9 @@ def nanogpt_input_path_dropped() -> nn.Module:
 def nanogpt_custom_backward_wrong_both() -> nn.Module:
     """nanoGPT whose head is a fused ``autograd.Function`` (logits = h @ E.T, taking
     ``lm_head.weight`` directly) returning half the weight gradient: consistent with its own
-    backward (untying agrees), contradicted only by finite differences of the forward."""
+    backward (untying agrees).  The Function's output is ``h @ E.T``, so the check records ``h``
+    and ``g`` there and the rows name the output path halved; finite differences of the forward
+    contradict it too."""
     return _nano("HalfWgrad")
 
 
@@ -539,8 +542,8 @@ TORCH_BUILTINS: dict[str, TorchBuiltin] = {b.name: b for b in [
                  "lookup from wte.weight.detach(): the input path never reaches the gradient",
                  "SUM/ROWS", "input_path_missing"),
     TorchBuiltin("nanogpt-custom-backward-wrong-both", "nanogpt_custom_backward_wrong_both",
-                 "custom head backward halves the weight gradient; only the forward shows it",
-                 "SCALE", "gradient_disagrees_with_forward"),
+                 "custom head Function's backward halves the weight gradient: output path "
+                 "halved", "SCALE", "path_scaled"),
 ]}
 
 
