@@ -17,39 +17,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch_sources
+from torch_sources import summary
 
-from tyingspec._check import CheckReport, check_target
-from tyingspec._kinds import kind_spec
+from tyingspec._check import CheckReport
 
-PRELUDE = textwrap.dedent('''
-    import math
-
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    from tyingspec import TorchTarget
-
-    V, D, T = 41, 12, 8
-
-
-    class Body(nn.Module):
-        def __init__(self, d=D):
-            super().__init__()
-            self.fc = nn.Linear(d, d)
-            self.ln = nn.LayerNorm(d)
-
-        def forward(self, x):
-            return self.ln(x + torch.tanh(self.fc(x)))
-
-
-    def small_init(model, std=0.3):
-        for m in model.modules():
-            if isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=std)
-        return model
-
-
+#: the shared prelude, and a tiny GPT whose `embed` and `head` a subclass changes
+PRELUDE = torch_sources.PRELUDE + textwrap.dedent('''
     class TinyGPT(nn.Module):
         """token and position lookups, one block, a tied head; `embed` and `head` are the two
         uses a subclass changes."""
@@ -78,27 +52,7 @@ PRELUDE = textwrap.dedent('''
 
 def check(tmp_path: Path, module: str, source: str, attr: str = "make_model",
           only: str | None = None) -> CheckReport:
-    """``tyingspec check module:attr --kind torch`` on every standard case (``only``: on that
-    one, for a model whose every case runs the forward check to its budget)."""
-    (tmp_path / f"{module}.py").write_text(PRELUDE + textwrap.dedent(source))
-    cases = [c for c in kind_spec("torch").cases(0) if only in (None, c.name)]
-    assert cases
-    return check_target(f"{module}:{attr}", "torch", 0, cases, paths=(str(tmp_path),))
-
-
-def summary(rep: CheckReport) -> str:
-    """The report's verdict and every finding that did not pass, for an assertion message."""
-    lines = [f"exit {rep.exit_code} {rep.diagnosis_label}; load_error={rep.load_error!r}",
-             *rep.notes]
-    for r in rep.results:
-        lines.append(f"case {r.case.name} N={r.case.N}: {r.status} "
-                     f"{r.diagnosis.headline() if r.diagnosis else ''} {r.error or ''}")
-        for f in r.diagnosis.findings if r.diagnosis else ():
-            # the identity checks a model without tie_weights() cannot run are noise here
-            if f.outcome == "failed" or (f.outcome != "passed"
-                                         and not f.check.startswith("identity after")):
-                lines.append(f"    {f.check}: {f.outcome} {f.label or ''} | {f.detail}")
-    return "\n".join(lines)
+    return torch_sources.check(tmp_path, module, source, attr, prelude=PRELUDE, only=only)
 
 
 def assert_wrong(rep: CheckReport, *labels: str) -> None:
