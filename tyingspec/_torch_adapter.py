@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from ._findings import Finding, failed, not_applicable, passed
 from ._tolerance import Precision, precision_of
 from ._torch_model import Tie, as_target, build_model, describe, loss_function, owner
 from ._torch_target import TorchTarget
+
+if TYPE_CHECKING:
+    from ._torch_uses import Uses
 
 #: The checks one call can run; a property asks for its own, ``tyingspec check`` for all.
 CHECKS = ("identity", "optimizer", "gradient", "forward", "fresh", "micro_batches", "steps")
@@ -283,9 +286,7 @@ def _observe_paths(build: Build, m: nn.Module, tie: Tie, loss_of: Loss, t: torch
     why = uses.problem()
     evidence: dict[str, Any] = {"least_precise": str(uses.least_precise).removeprefix("torch.")}
     if why is None:
-        ids, dx = _input_rows(uses.lookups, tie.vocab, tie.padding_idx)
-        h = torch.cat([u["h"] for u in uses.heads]).to(torch.float64).numpy().copy()
-        g = torch.cat([u["g"] for u in uses.heads]).to(torch.float64).numpy().copy()
+        ids, dx, h, g = _observed(uses, tie)
         evidence.update(observed_by="uses", tokens=ids, dx=dx, h=h, g=g,
                         lookups=len(uses.lookups), heads=len(uses.heads))
         skipped = [u["pad_input"][1] for u in uses.lookups
@@ -411,6 +412,15 @@ def _reads(model: nn.Module, evidence: dict[str, Any], t: torch.Tensor,
     decoder = np.concatenate([np.full((y.shape[0], 1), start, dtype=np.int64),
                               y[:, :-1].numpy().astype(np.int64)], axis=1)
     return np.concatenate([tokens_of(t), decoder.reshape(-1)])
+
+
+def _observed(uses: Uses, tie: Tie) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The ids and dx of every lookup (see :func:`_input_rows`) and the h and g of every
+    head, in float64: what the reference is built from."""
+    ids, dx = _input_rows(uses.lookups, tie.vocab, tie.padding_idx)
+    h = torch.cat([u["h"] for u in uses.heads]).to(torch.float64).numpy().copy()
+    g = torch.cat([u["g"] for u in uses.heads]).to(torch.float64).numpy().copy()
+    return ids, dx, h, g
 
 
 def _input_rows(lookups: list[dict[str, Any]], V: int,
@@ -762,18 +772,16 @@ def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
         loss = loss_of(m, t, y)
     loss.backward()  # type: ignore[no-untyped-call]
     steps = f"after {TRAINING_STEPS} steps of {type(opt).__name__}"
-    if uses.problem() is not None:
+    problem = uses.problem()
+    if problem is not None:
         # the uses this step takes cannot be vouched for (a lookup that switched to a custom
         # kernel): this step's gradient against the stepped model's own forward instead
         why = _differenced(m, _unit(uses.least_precise), build.dtype, tie, loss_of, t, y,
                            _grad(m, tie), seed, True, _reads(m, {}, t, y), None,
                            check, invariant)
-        where = f"{steps}, against the forward (the uses cannot be observed: {uses.problem()})"
+        where = f"{steps}, against the forward (the uses cannot be observed: {problem})"
         return replace(why, detail=f"{where}: {why.detail}")
-    ids, dx = _input_rows(uses.lookups, tie.vocab, tie.padding_idx)
-    h = torch.cat([u["h"] for u in uses.heads]).to(torch.float64).numpy()
-    g = torch.cat([u["g"] for u in uses.heads]).to(torch.float64).numpy()
-    paths = kernel_paths(ids, dx, h, g, tie.vocab, "float64")
+    paths = kernel_paths(*_observed(uses, tie), tie.vocab, "float64")
     diag = diagnose(_grad(m, tie), paths, dtype=build.precision)
     if not diag.wrong:
         return passed(check, invariant, steps)
