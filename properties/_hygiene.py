@@ -6,7 +6,16 @@ import numpy as np
 
 from tyingspec._adapters import Returned
 from tyingspec._cases import Case
-from tyingspec._engine import Target, agree, batch_for, call, judge, precision_for, reference
+from tyingspec._engine import (
+    Target,
+    agree,
+    batch_for,
+    call,
+    judge,
+    judge_repeat,
+    precision_for,
+    reference,
+)
 from tyingspec._strategies import cases
 
 from ._core import PropertyFailure, register
@@ -45,7 +54,7 @@ def same_call_same_gradient(target: Target, case: Case) -> None:
     differ = [k for k, v in a.items()
               if v is not None and not agree(k, b[k], v, paths, precision).all()]
     if differ:
-        diag = judge(second, paths, precision)
+        diag = judge_repeat(first, second, paths, precision)
         gap = float(np.max(np.abs(np.asarray(second.dE, np.float64)
                                   - np.asarray(first.dE, np.float64)), initial=0.0))
         raise PropertyFailure("same_call_same_gradient",

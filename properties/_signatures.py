@@ -215,6 +215,18 @@ def _fixed(*labels: str) -> Labels:
     return lambda o: set(labels)
 
 
+def _scaled_or_weak() -> Labels:
+    """``path_scaled``, or the row pattern's label on an example with one wrong entry, where a
+    factor that is not a simple number is no evidence of a scale (see
+    ``tyingspec._diagnosis._one_factor``)."""
+    def labels(o: Observation) -> set[str]:
+        wrong = ~row_bound(o.paths, o.precision).close(
+            np.asarray(o.returned.dE, np.float64), _f64(o.paths.dE))
+        weak = {"input_path_wrong", "output_path_wrong", "unknown"} if wrong.sum() < 2 else set()
+        return {"path_scaled"} | weak
+    return labels
+
+
 def _all_present_allows(label: str, *also: str) -> Labels:
     """``label``, or ``also`` when every row is present (the row pattern cannot say more)."""
     def labels(o: Observation) -> set[str]:
@@ -285,18 +297,18 @@ _combination("output-path-overwritten",
              _all_present_allows("output_path_overwritten", "output_path_missing"))
 _combination("paths-averaged", "(dE_in + dE_out) / 2",
              lambda b, p: (_f64(p.dE_in) + _f64(p.dE_out)) / 2,
-             _fixed("path_scaled"), scales=lambda c: (0.5, 0.5))
+             _scaled_or_weak(), scales=lambda c: (0.5, 0.5))
 _combination("input-path-doubled", "2 dE_in + dE_out",
              lambda b, p: 2 * _f64(p.dE_in) + _f64(p.dE_out),
-             _fixed("path_scaled"), scales=lambda c: (2.0, 1.0))
+             _scaled_or_weak(), scales=lambda c: (2.0, 1.0))
 _combination("logit-scale-dropped", f"dE_in + dE_out / {LOGIT_SCALE}",
-             lambda b, p: _f64(p.dE_in) + _f64(p.dE_out) / LOGIT_SCALE, _fixed("path_scaled"),
+             lambda b, p: _f64(p.dE_in) + _f64(p.dE_out) / LOGIT_SCALE, _scaled_or_weak(),
              scales=lambda c: (1.0, 1 / LOGIT_SCALE))
 _combination("input-path-sum-not-mean", "N dE_in + dE_out",
              lambda b, p: p.tokens.shape[0] * _f64(p.dE_in) + _f64(p.dE_out),
-             _fixed("path_scaled"), scales=lambda c: (float(c.N), 1.0))
+             _scaled_or_weak(), scales=lambda c: (float(c.N), 1.0))
 _combination("s-in-missing-in-backward", "dE_in / s_in + dE_out (right when s_in = 1)",
-             lambda b, p: _f64(p.dE_in) / b.s_in + _f64(p.dE_out), _fixed("path_scaled"),
+             lambda b, p: _f64(p.dE_in) / b.s_in + _f64(p.dE_out), _scaled_or_weak(),
              scales=lambda c: (1 / c.s_in, 1.0))
 for _name, _which in (("duplicates-buffered", "last"), ("duplicates-last-only", "last"),
                       ("duplicates-first-only", "first")):

@@ -73,8 +73,8 @@ TARGETS: list[tuple[str, str, str, set[str]]] = [
     ("inputs_untouched", "model", "sorts-tokens-in-place", {"inputs_mutated"}),
     ("inputs_untouched", "kernel", "sorts-tokens-in-place", {"inputs_mutated"}),
     # the second identical call is judged on its own: twice the gradient, both paths x2
-    ("same_call_same_gradient", "model", "grad-not-zeroed", {"path_scaled"}),
-    ("same_call_same_gradient", "kernel", "grad-not-zeroed", {"path_scaled"}),
+    ("same_call_same_gradient", "model", "grad-not-zeroed", {"gradient_not_zeroed"}),
+    ("same_call_same_gradient", "kernel", "grad-not-zeroed", {"gradient_not_zeroed"}),
     # the engine names a copied tie after the step (its untied gradient fits there)
     ("tie_survives_a_step", "model", "copy-tie", {"tie_is_a_copy"}),
     ("linear_in_dx", "kernel", "grad-not-zeroed", set(LABELS)),

@@ -34,13 +34,29 @@ def test_a_tie_between_labels_goes_to_the_first_case(labels: tuple[str, ...],
     assert _report(*labels).diagnosis_label == first
 
 
+def test_an_example_that_cannot_tell_does_not_name_the_run() -> None:
+    # every row present: the example says unknown; the examples that can tell name the bug
+    assert _report("unknown", "unknown", "input_path_wrong").diagnosis_label == \
+        "input_path_wrong"
+    assert _report("unknown", "unknown").diagnosis_label == "unknown"
+
+
+def test_a_special_case_counts_as_its_general_label() -> None:
+    # dx missing a term: "input path missing" where res = 0, "input path wrong" elsewhere
+    assert _report("input_path_missing", "input_path_missing", "input_path_wrong"
+                   ).diagnosis_label == "input_path_wrong"
+    # ... but alone it keeps its own name
+    assert _report("input_path_missing", "path_scaled", "input_path_missing"
+                   ).diagnosis_label == "input_path_missing"
+
+
 def test_the_label_does_not_change_with_pythonhashseed() -> None:
     code = textwrap.dedent('''
         from types import SimpleNamespace
         from tyingspec._check import CheckReport
         r = CheckReport("t", "model", 0)
-        labels = ["output_path_wrong", "path_scaled", "input_path_wrong", "unknown",
-                  "duplicates_not_accumulated", "input_path_missing"]
+        labels = ["unknown", "output_path_wrong", "path_scaled", "gradient_not_zeroed",
+                  "tie_is_a_copy", "inputs_mutated"]
         r.results = [SimpleNamespace(status="wrong", diagnosis=SimpleNamespace(label=x))
                      for x in labels]
         print(r.diagnosis_label)

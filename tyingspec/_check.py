@@ -12,7 +12,7 @@ import numpy as np
 
 from ._adapters import AdapterError
 from ._cases import Case, batch_problem
-from ._diagnosis import Diagnosis
+from ._diagnosis import Diagnosis, run_label
 from ._engine import (
     FIRST_CALL,
     Observation,
@@ -209,9 +209,7 @@ class CheckReport:
                   if r.diagnosis is not None and r.status == "wrong"]
         if not labels:
             return self.verdict
-        # the most frequent; a tie goes to the first case that reached it, never to the
-        # order of a set (which follows PYTHONHASHSEED)
-        return max(labels, key=labels.count)
+        return run_label(labels)
 
 
 class CheckFailed(AssertionError):

@@ -8,6 +8,8 @@ asks whether its own example *could* have told those apart from a correct gradie
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
@@ -101,6 +103,30 @@ LABELS: dict[Label, str] = {
                   "(the report names the outputs and entries)",
     "unknown": "wrong, unexplained by the catalogue: see the wrong rows",
 }
+
+
+#: Labels that say less than a catalogue or path label: a run that also reached one of those is
+#: named by it (an example with every row present cannot say which path is wrong).
+_UNINFORMATIVE = ("unknown", "no_power")
+
+#: A label that is a special case of another: where a run's examples reached both, the general
+#: one names the run (dx missing a term is "input path missing" on an example with res = 0).
+_SPECIAL_OF: dict[str, str] = {"input_path_missing": "input_path_wrong",
+                               "duplicates_not_accumulated": "input_path_wrong",
+                               "output_path_missing": "output_path_wrong"}
+
+
+def run_label(labels: Sequence[str]) -> str:
+    """The label of a run (``tyingspec check``'s cases, the plugin's properties) from the labels
+    of its wrong examples, so that both front ends name one bug alike: the most frequent
+    informative label, a special case counted as its general label when both were seen, and a
+    tie going to the label seen first (never to a set's order, which follows PYTHONHASHSEED)."""
+    pool = [x for x in labels if x not in _UNINFORMATIVE] or list(labels)
+    if not pool:
+        return "unknown"
+    seen = set(pool)
+    pool = [_SPECIAL_OF[x] if _SPECIAL_OF.get(x) in seen else x for x in pool]
+    return max(pool, key=pool.count)
 
 
 @dataclass(frozen=True)
@@ -305,6 +331,11 @@ class _Dense:
     def fit(self) -> tuple[float, float]:
         return _fit_scales(*self._whole)
 
+    def columns(self) -> tuple[Array, Array, Array]:
+        """``actual``, ``dE_in`` and ``dE_out`` as flat float64 vectors (for the fits)."""
+        actual, d_in, d_out = self._whole
+        return actual.reshape(-1), d_in.reshape(-1), d_out.reshape(-1)
+
 
 def _projected(rows: np.ndarray, sketch: Sketch) -> Array:
     """``rows @ Z`` in float64: the sampled columns read out as they are (exact), the
@@ -403,6 +434,95 @@ class _Sketched:
         b = np.concatenate([self.a_e.reshape(-1), self.p_a.reshape(-1)])
         coef, *_ = np.linalg.lstsq(A, b, rcond=None)
         return float(coef[0]), float(coef[1])
+
+    def columns(self) -> tuple[Array, Array, Array]:
+        """The exact rows entry by entry, then the projected rows (where dE_in is zero)."""
+        return (np.concatenate([self.a_e.reshape(-1), self.p_a.reshape(-1)]),
+                np.concatenate([self.i_e.reshape(-1), np.zeros(self.p_o.size)]),
+                np.concatenate([self.o_e.reshape(-1), self.p_o.reshape(-1)]))
+
+
+def _simple(x: float, n: int) -> bool:
+    """Whether ``x`` is a number a stray factor is made of: an integer or the reciprocal of one
+    up to 64, or the batch's N or 1/N (a sum where a mean was meant)."""
+    return any(math.isclose(x, v, rel_tol=1e-9) or math.isclose(x, 1 / v, rel_tol=1e-9)
+               for v in (*range(2, 65), n))
+
+
+def _one_factor(view: _Dense | _Sketched, *, simple_only: int = 0) -> tuple[float, float] | None:
+    """The stray factor of ``path_scaled``: one positive number that puts every row within its
+    bound of ``a dE_in + dE_out`` (the input path scaled), ``dE_in + c dE_out`` (the output
+    path) or ``k (dE_in + dE_out)`` (both alike, e.g. averaged).  Two free factors fit far too
+    much (on a small batch any wrong row is some mix of the two paths), and a negative or zero
+    one is not a scale but another bug; so a fit of that kind is no explanation, and None.
+    ``simple_only`` (the batch's N) keeps only a simple factor (see :func:`_simple`): with one
+    wrong entry any factor fits, and only a simple one is more than a coincidence."""
+    actual, d_in, d_out = view.columns()
+
+    def along(direction: Array, rest: Array) -> float:
+        norm = float(direction @ direction)
+        return float(direction @ (actual - rest)) / norm if norm > 0 else math.nan
+
+    both = d_in + d_out
+    candidates = (("in", along(d_in, d_out)), ("out", along(d_out, d_in)),
+                  ("both", along(both, np.zeros_like(both))))
+    for which, k in candidates:
+        # Least squares leaves a factor ~1e-15 off, which a float64 row bound can notice:
+        # a stray factor is a simple number (x16, x0.5, xN), so try it rounded first.
+        for f in (float(f"{k:.6g}"), k) if math.isfinite(k) else ():
+            if f <= 0 or abs(f - 1) < 1e-12 or (simple_only and not _simple(f, simple_only)):
+                continue
+            x, y = {"in": (f, 1.0), "out": (1.0, f), "both": (f, f)}[which]
+            if bool(view.lin_ok(x, y).all()):
+                return x, y
+    return None
+
+
+#: Occurrences of one token beyond which the subsets of them are not enumerated (2^12 sums).
+_SUBSET_LIMIT = 12
+
+
+def _holds_some_occurrences(paths: Paths, row: int, actual: Array, out: Array,
+                            tol: Tolerance) -> int | None:
+    """How many of ``row``'s occurrences its dE holds (with its output path), when some proper,
+    non-empty subset of them explains it within the bound; else None.  A racy or partial
+    scatter loses some occurrences; only such a row is a duplicates bug (one that lost all of
+    them is a masked row)."""
+    where = np.flatnonzero(paths.tokens == row)
+    c = where.shape[0]
+    if not 1 < c <= _SUBSET_LIMIT:
+        return None
+    pick = (np.arange(1, 2 ** c - 1)[:, None] >> np.arange(c)[None, :]) & 1  # proper subsets
+    sums = pick.astype(np.float64) @ paths.per_position[where].astype(np.float64) + out
+    fit = tol.close(np.broadcast_to(actual, sums.shape), sums).all(axis=1)
+    return int(pick[np.flatnonzero(fit)[0]].sum()) if fit.any() else None
+
+
+def _wrong_entries(view: _Dense | _Sketched, wrong_rows: list[int], tol: Tolerance) -> int:
+    """How many entries of the wrong rows are outside their bound (two at least when a row is
+    not compared entry by entry: a projected row is only ever wrong at large d)."""
+    rows = np.asarray(wrong_rows, dtype=np.int64)
+    if isinstance(view, _Sketched) and not np.isin(rows, view.exact).all():
+        return max(2, len(wrong_rows))
+    expected = view.rows("in", rows) + view.rows("out", rows)
+    return int((~tol.rows(rows).close(view.rows("actual", rows), expected)).sum())
+
+
+def _overwritten_rows(view: _Dense | _Sketched, paths: Paths, present: np.ndarray,
+                      tol: Tolerance) -> list[int] | None:
+    """When every present row holds its input path alone, or (a repeated token) exactly one
+    of its occurrences alone: the repeated rows that hold one occurrence.  Else None."""
+    actual = view.rows("actual", present)
+    whole = tol.rows(present).close(actual, view.rows("in", present)).all(axis=1)
+    single: list[int] = []
+    for i in np.flatnonzero(~whole):
+        r = int(present[i])
+        occ = paths.per_position[paths.tokens == r].astype(np.float64)
+        if occ.shape[0] < 2 or not tol.rows(np.array([r])).close(
+                np.broadcast_to(actual[i], occ.shape), occ).all(axis=1).any():
+            return None
+        single.append(r)
+    return single
 
 
 def _occurrence_variants(paths: Paths, rows: np.ndarray) -> dict[str, Array]:
@@ -549,23 +669,40 @@ def diagnose(
     else:
         only_repeated = bool(repeated) and set(wrong_rows) <= set(repeated)
         kept = [k for k, v in variants.items() if whole_on(rep, v + view.rows("out", rep))]
-        a, c = view.fit()
-        # Least squares leaves the factors ~1e-15 off, which a float64 row bound can notice:
-        # a stray factor is a simple number (x16, x0.5, xN), so try it rounded too.
-        fits = [(x, y) for x, y in ((float(f"{a:.6g}"), float(f"{c:.6g}")), (a, c))
-                if bool(view.lin_ok(x, y).all())]
-        if fits:
-            a, c = fits[0]
+        # One wrong entry fits any factor: there only a simple factor (x2, x1/16, xN) is
+        # evidence of a scale, and any one that fits over two or more.
+        scaled = _one_factor(view, simple_only=0 if _wrong_entries(view, wrong_rows, tol) >= 2
+                             else int(tokens.shape[0]))
+        partial = {r: _holds_some_occurrences(paths, r, view.rows("actual", np.array([r]))[0],
+                                              view.rows("out", np.array([r]))[0],
+                                              tol.rows(np.array([r])))
+                   for r in wrong_rows} if only_repeated and not kept else {}
+        overwritten = _overwritten_rows(view, paths, pres, tol) if outside_ok(pres) else None
         if only_repeated and kept:
             label = "duplicates_not_accumulated"
-        elif fits:
+        elif scaled is not None:
+            a, c = scaled
             label, detail, scales = "path_scaled", _describe_scales(a, c), (a, c)
-            # Every wrong row is explained by the fitted factors: attribute them to it.
+            # Every wrong row is explained by the fitted factor: attribute them to it.
             causes = {detail: [r for rows in causes.values() for r in rows]}
-        elif only_repeated and set(causes) != {"input path missing"}:
-            # some other loss of occurrences (e.g. a racy scatter); rows that lost *every*
-            # occurrence are a masked row (padding), not a duplicate bug: handled below
+        elif partial and all(k is not None for k in partial.values()):
+            # e.g. a racy scatter: each wrong row holds some, not all, of its occurrences
             label = "duplicates_not_accumulated"
+            causes = {f"duplicates: {k} of {repeated[r]} occurrences": [] for r, k in
+                      partial.items()}
+            for r, k in partial.items():
+                causes[f"duplicates: {k} of {repeated[r]} occurrences"].append(r)
+        elif overwritten is not None:
+            # llm.c's `dwte[ix] = d`, written position by position after the head's matmul:
+            # the output path and all but one occurrence of a repeated token are overwritten
+            label = "output_path_overwritten"
+            detail = (f"{_n(len(uniq), 'present row')} hold the input path only; repeated "
+                      f"tokens {overwritten} hold a single occurrence (each write replaced "
+                      "the row)")
+            causes = {"input path only (output path overwritten)":
+                      [r for r in wrong_rows if r not in overwritten],
+                      "a single occurrence only (output path overwritten)": list(overwritten)}
+            causes = {k: v for k, v in causes.items() if v}
         if label == "duplicates_not_accumulated":
             # Identical occurrences (same token, same target) fit both: say only what is known.
             which = "one occurrence only" if len(kept) > 1 else (kept[0] if kept else "")
@@ -581,7 +718,15 @@ def diagnose(
         # present rows holding exactly the output path lost their input path (a masked row).
         absent_wrong = [r for r in wrong_rows if not present[r]]
         n_absent = int((~present).sum())
-        if absent_wrong:
+        lost = causes.get("input path missing", [])
+        if absent_wrong and lost:
+            # Present rows lost their input path and absent rows gained something: the input
+            # path may have gone into the wrong rows (e.g. the targets'), or both paths are
+            # wrong.  No one path explains both, so the label stays unknown.
+            detail = (f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong (they carry "
+                      f"the output path alone); present rows {lost} hold the output path only "
+                      "(their input path is missing): is dx scattered into the wrong rows?")
+        elif absent_wrong:
             label = "output_path_wrong"
             detail = f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong"
         else:
@@ -590,6 +735,12 @@ def diagnose(
                 f"{len(wrong_rows)} of {_n(len(uniq), 'present row')} wrong"
             if masked:
                 detail += f"; rows {wrong_rows} hold the output path only (input path masked)"
+    if label == "unknown" and wrong_rows and not detail:
+        n_absent = int((~present).sum())
+        detail = (f"{len(wrong_rows)} wrong rows, {len([r for r in wrong_rows if present[r]])} "
+                  f"of them present in the batch" + (
+                      "; every row is present, so the rows cannot say which path is wrong"
+                      if not n_absent else ""))
 
     others = list(others or [])
     if label in ("correct", "no_power") and any(not o.ok for o in others):

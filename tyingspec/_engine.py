@@ -509,6 +509,17 @@ def _stale(diag: Diagnosis, previous: tuple[np.ndarray, Paths], returned: Return
     return diag
 
 
+def judge_repeat(first: Returned, second: Returned, paths: Paths,
+                 precision: Precision) -> Diagnosis:
+    """The second of two identical calls, judged: ``gradient_not_zeroed`` when it returned the
+    first call's dE plus its own (a buffer accumulated into across calls), as the kind's
+    second call is named in :func:`observe`."""
+    diag = judge(second, paths, precision)
+    if not diag.wrong or diag.findings:
+        return diag
+    return _stale(diag, (np.asarray(first.dE), paths), second, paths, precision)
+
+
 def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
             ) -> Observation:
     """Observe ``target`` on ``case``: the first call and the kind's second call (after one SGD
