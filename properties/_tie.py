@@ -6,7 +6,7 @@ from tyingspec._cases import SGD_STEP, Case
 from tyingspec._engine import AFTER_STEP, Target, observe
 from tyingspec._strategies import cases
 
-from ._core import PropertyFailure, discard, register
+from ._core import PropertyFailure, register
 
 
 @register("tie_survives_a_step", "ID", lambda: cases())
@@ -20,7 +20,15 @@ def tie_survives_a_step(target: Target, case: Case) -> None:
     o = observe(target, case)
     if o.stage != AFTER_STEP:
         if o.diagnosis.wrong:
-            discard("the first call is already wrong (sum_of_paths reports it)")
+            # Wrong before any step: the tie was never put to the test.  Discarding this
+            # example (as it once did) discarded every example of a gradient wrong from the
+            # first call, and Hypothesis then failed the run with FailedHealthCheck, blamed on
+            # the tie.  The verdict is the first call's diagnosis, as sum_of_paths reports it.
+            raise PropertyFailure(
+                "tie_survives_a_step", "the first call is already wrong, before any step: "
+                "dE != dE_in + dE_out", o.case, diagnosis=o.diagnosis, stage=o.stage,
+                details="no step was taken from a wrong gradient, so the tie itself was not "
+                        "tested (sum_of_paths fails on the same call)")
         return
     raise PropertyFailure(
         "tie_survives_a_step", "after one SGD step the gradient is no longer the tied one",
