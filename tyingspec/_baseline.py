@@ -8,8 +8,11 @@ A baseline is a small versioned JSON file::
 
 A later run compares its verdicts with it: anything that ``passed`` in the baseline and now
 ``failed`` (or hit an adapter error) is a regression, and the run fails even when every other
-counter says it passed.  A missing file is recorded on the first run; only the explicit update
-flag rewrites an existing one.  This module is cheap to import (json and os only): the pytest
+counter says it passed.  A missing file is recorded on the first run, except under CI (``$CI``
+set, as GitHub Actions sets ``CI=true``): there it was not committed, and a run that recorded
+it would compare nothing, in every fresh checkout, for ever; so it fails the run unless the
+update flag asks for it to be written (syrupy's convention).  Only the explicit update flag
+rewrites an existing one.  This module is cheap to import (json and os only): the pytest
 plugin loads it in the controller process.
 """
 
@@ -38,6 +41,37 @@ FAILING = frozenset({FAILED, ADAPTER_ERROR, ERROR})
 #: ``tyingspec check`` case statuses as baseline verdicts.
 CHECK_STATUS = {"correct": PASSED, "wrong": FAILED, "adapter_error": ADAPTER_ERROR,
                 "no_power": NO_POWER}
+
+
+#: What each invariant code of the property suite means (the bug catalogue's names), for the
+#: legend a summary prints under the codes it uses.  A test keeps it in step with every code a
+#: registered property carries.
+INVARIANTS = {
+    "SUM": "dE = input path + output path on every row",
+    "ROWS": "rows of tokens absent from the batch get the output path only",
+    "DUP": "a token seen k times gets all k contributions",
+    "PERM": "relabelling the vocabulary permutes the rows of dE",
+    "ACC": "gradients accumulate across micro-batches and start from zero",
+    "OUT": "the loss, dW and db equal the reference",
+    "PURE": "the implementation writes into none of its inputs",
+    "FRESH": "the same call twice gives the same gradient",
+    "ID": "the tie is one tensor: after an optimizer step and every transformation",
+    "LIN": "the kernel is linear in the upstream gradients dx and g",
+    "SCALE": "no path or output is scaled by a stray factor",
+}
+
+
+def legend(codes: Iterable[str]) -> list[tuple[str, str]]:
+    """(code, meaning) for each distinct code in ``codes``, in first-seen order; an unknown code
+    is listed as such rather than dropped (it must not read as defined)."""
+    seen = dict.fromkeys(c for c in codes if c)
+    return [(c, INVARIANTS.get(c, "(no description)")) for c in seen]
+
+
+def in_ci() -> bool:
+    """Whether this run is CI's: ``$CI`` set to anything non-empty (GitHub Actions, GitLab CI
+    and most others set ``CI=true``), where a missing baseline is an error, not a first run."""
+    return bool(os.environ.get("CI"))
 
 
 def _plural(n: int, unit: str) -> str:
@@ -86,7 +120,9 @@ class GateResult:
     """What comparing (or recording) a baseline found; ``lines()`` is what a person reads."""
 
     path: str
-    action: str  # "compared" | "recorded" (file was missing) | "updated" (explicit flag)
+    # "compared" | "recorded" (file was missing) | "updated" (explicit flag rewrote it) |
+    # "missing" (file missing under CI and no update flag: nothing recorded, the run fails)
+    action: str
     unit: str
     regressions: list[Change] = field(default_factory=list)
     changes: list[Change] = field(default_factory=list)  # other differences, for information
@@ -94,12 +130,19 @@ class GateResult:
 
     @property
     def failed(self) -> bool:
-        return self.action == "compared" and bool(self.regressions)
+        return self.action == "missing" or (self.action == "compared" and bool(self.regressions))
 
     def lines(self, update_hint: str) -> list[str]:
         n = len(self.regressions)
         out: list[str] = []
-        if self.failed:
+        if self.action == "missing":
+            out.append(f"baseline {self.path} does not exist: it was not committed, so there is "
+                       "nothing to compare this run's verdicts against")
+            out.append("under CI ($CI is set) a missing baseline fails the run instead of being "
+                       "recorded: each fresh checkout would record its own and compare nothing")
+            out.append(f"record it: run once with {update_hint} (outside CI, or here) and commit "
+                       f"{self.path}")
+        elif self.failed:
             out.append(f"REGRESSION: {n} {_plural(n, self.unit)} passed in baseline {self.path} "
                        f"and fail{'s' if n == 1 else ''} now:")
             out += [f"  {c.describe()}" for c in self.regressions]
@@ -181,24 +224,29 @@ def compare(before: Baseline, now: Baseline) -> tuple[list[Change], list[Change]
     return regressions, changes
 
 
-def gate(path: str, now: Baseline, *, update: bool) -> GateResult:
+def gate(path: str, now: Baseline, *, update: bool, ci: bool = False) -> GateResult:
     """Compare ``now`` with the baseline at ``path``; record it if missing, rewrite on ``update``.
 
-    Raises :class:`BaselineError` for an unreadable baseline unless ``update`` (which replaces it).
+    With ``ci`` (see :func:`in_ci`) a missing baseline is not recorded unless ``update``: the
+    result's action is ``missing`` and it fails.  Raises :class:`BaselineError` for an
+    unreadable baseline unless ``update`` (which replaces it).
     """
     try:
         before = load(path, now.unit)
     except BaselineError:
         if not update:
             raise
-        before = None
+        save(path, now)  # unreadable: replaced whole
+        return GateResult(path, "updated", now.unit)
     if before is None:
-        if update:
+        if update:  # nothing was there to rewrite: a first recording, asked for
             save(path, now)
-            return GateResult(path, "updated", now.unit)
+            return GateResult(path, "recorded", now.unit)
+        if ci:
+            return GateResult(path, "missing", now.unit)
         if not create_exclusive(path, _text(now)):
             # another run recorded it between our read and our write: compare against theirs
-            return gate(path, now, update=False)
+            return gate(path, now, update=False, ci=ci)
         return GateResult(path, "recorded", now.unit)
     regressions, changes = compare(before, now)
     result = GateResult(path, "updated" if update else "compared", now.unit,
@@ -227,10 +275,14 @@ def summary_markdown(title: str, rows: Iterable[tuple[str, str, str, str]],
 
     icon = {PASSED: "✅", FAILED: "❌", ADAPTER_ERROR: "⚠️", ERROR: "❌", SKIPPED: "⏭️",
             NO_POWER: "❔"}
+    rows = list(rows)
     out = [f"## {title}", "", "| property | invariant | verdict | diagnosis |", "|---|---|---|---|"]
     for name, invariant, verdict, diagnosis in rows:
         out.append(f"| `{cell(name)}` | {cell(invariant)} | {icon.get(verdict, '')} "
                    f"{cell(verdict)} | {cell(diagnosis)} |")
+    codes = legend(r[1] for r in rows)
+    if codes:
+        out += ["", "Invariants:", "", *(f"- **{cell(c)}**: {cell(text)}" for c, text in codes)]
     if gate_lines:
         out += ["", "### Baseline", "", "```", *gate_lines, "```"]
     return "\n".join(out) + "\n"
@@ -254,11 +306,14 @@ def check_verdicts(report: CheckReport, names: Iterable[str] = ()) -> Baseline:
     return Baseline("case", report.target, report.kind, verdicts, details)
 
 
-def apply_check_baseline(report: CheckReport, path: str, update: bool) -> tuple[int, list[str]]:
+def apply_check_baseline(report: CheckReport, path: str, update: bool,
+                         ci: bool | None = None) -> tuple[int, list[str]]:
     """Gate a ``tyingspec check`` run on a baseline file: returns (exit code, lines to print).
 
-    Exit code: the report's own, raised to 1 on a regression; 2 if the baseline is unreadable.
+    Exit code: the report's own, raised to 1 on a regression; 2 if the baseline is unreadable,
+    or missing under CI (``ci``; default :func:`in_ci`), where it is not recorded.
     """
+    ci = in_ci() if ci is None else ci
     if report.load_error and (update or not os.path.exists(path)):
         what = "updated" if update else "recorded"
         return max(report.exit_code, 2), [(f"tyingspec: baseline {path} not {what}: the target "
@@ -269,15 +324,18 @@ def apply_check_baseline(report: CheckReport, path: str, update: bool) -> tuple[
         return 2, [f"tyingspec: {exc}"]
     now = check_verdicts(report, before.verdicts if before is not None else ())
     try:
-        result = gate(path, now, update=update)
+        result = gate(path, now, update=update, ci=ci)
     except BaselineError as exc:
         return 2, [f"tyingspec: {exc}"]
     except OSError as exc:
         return 2, [f"tyingspec: baseline {path} cannot be written ({type(exc).__name__}: {exc})"]
+    if result.action == "missing":  # like an unreadable baseline: the gate could not run
+        return max(report.exit_code, 2), result.lines("--update-baseline")
     code = max(report.exit_code, 1) if result.failed else report.exit_code
     return code, result.lines("--update-baseline")
 
 
-__all__ = ["Baseline", "BaselineError", "Change", "GateResult", "apply_check_baseline",
-           "check_verdicts", "compare", "gate", "load", "save", "summary_markdown"]
+__all__ = ["INVARIANTS", "Baseline", "BaselineError", "Change", "GateResult",
+           "apply_check_baseline", "check_verdicts", "compare", "gate", "in_ci", "legend", "load",
+           "save", "summary_markdown"]
 

@@ -123,10 +123,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--tyingspec-max-examples", metavar="N", type=positive_int, default=None,
                     help="override the profile's max_examples")
     group.addoption("--tyingspec-baseline", metavar="FILE", type=_file, default=None,
-                    help="regression gate: record each property's verdict in FILE (if missing) "
-                         "and fail the run if a property that passed there fails now")
+                    help="regression gate: record each property's verdict in FILE (if missing; "
+                         "under CI, $CI set, a missing FILE fails the run: commit it) and fail "
+                         "the run if a property that passed there fails now")
     group.addoption("--tyingspec-update-baseline", action="store_true", default=False,
-                    help="rewrite --tyingspec-baseline FILE with this run's verdicts")
+                    help="write --tyingspec-baseline FILE with this run's verdicts, whether it "
+                         "exists or not (also under CI)")
     group.addoption("--tyingspec-summary", metavar="FILE", type=_file, default=None,
                     help="append a markdown summary (property | invariant | verdict | "
                          "diagnosis) to FILE, e.g. $GITHUB_STEP_SUMMARY")
@@ -337,7 +339,7 @@ class _Suite:
 
     def _longrepr(self, item: pytest.Item, exc: BaseException) -> Any:
         from ._adapters import AdapterError
-        from ._suite import CASE_ATTR
+        from ._suite import CASE_ATTR, replay_key
         from .properties import PropertyFailure
 
         prop = self._property(item)
@@ -372,16 +374,28 @@ class _Suite:
                           *batch_lines(case)]
         else:
             return None
-        if case is not None:
-            lines += ["", "replay:", f"  {self._replay_line(prop, case)}"]
-        notes = [str(n) for n in getattr(exc, "__notes__", ())]
-        if notes:  # Hypothesis' own account: the falsifying example, seed or blob
+        # The case Hypothesis drew is the replay's key (shapes and a seed: the property builds
+        # the batch printed above from it); the batch itself if the draw was not recorded.
+        drawn = getattr(exc, CASE_ATTR, None)
+        key = case if drawn is None else replay_key(opts.kind, drawn, case)
+        if key is not None:
+            lines += ["", "replay:", f"  {self._replay_line(prop, key)}"]
+        notes = [n for n in map(str, getattr(exc, "__notes__", ())) if not _duplicate(item, n)]
+        if notes:  # what else Hypothesis has to say (the case and its replay are above)
             lines += ["", "Hypothesis:", *(f"  {line}" for n in notes for line in n.splitlines())]
         if item.config.getoption("tbstyle", "auto") in ("long", "native") or \
                 item.config.getoption("fulltrace", False):
             lines += ["", "(traceback follows: --tb=long)", str(item.repr_failure(
                 pytest.ExceptionInfo.from_exception(exc)))]
         return _exception_repr(lines, *self._crash_location(item), crash)
+
+
+def _duplicate(item: pytest.Item, note: str) -> bool:
+    """A Hypothesis note the report above already says: its print of this test's call (the
+    falsifying example: the case, whose batch and replay line tyingspec printed) or its
+    ``@reproduce_failure`` blob (the replay line is the key that survives a Hypothesis
+    upgrade).  Printed after tyingspec's report it only pushed the diagnosis out of view."""
+    return f"{item.name}(" in note.split("\n", 1)[0] or "@reproduce_failure(" in note
 
 
 def _exception_repr(lines: list[str], path: str, lineno: int, crash: str) -> Any:
@@ -424,7 +438,8 @@ class _Controller:
     opts: Options
     verdicts: dict[str, _Verdict] = field(default_factory=dict)
     gate_lines: list[str] = field(default_factory=list)
-    regressed: bool = False
+    regressed: bool = False  # the gate failed the run (the section below gate_title says why)
+    gate_title: str = "tyingspec baseline REGRESSION"
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         from ._adapters import AdapterError
@@ -491,7 +506,7 @@ class _Controller:
         return result
 
     def _finish(self, session: pytest.Session) -> None:
-        from ._baseline import Baseline, BaselineError, gate, summary_markdown
+        from ._baseline import Baseline, BaselineError, gate, in_ci, summary_markdown
 
         if self.opts.baseline is not None:
             if self.opts.replay is not None:
@@ -506,7 +521,8 @@ class _Controller:
                                {n: v.label for n, v in self.verdicts.items()
                                 if v.status != "passed"})
                 try:
-                    result = gate(self.opts.baseline, now, update=self.opts.update_baseline)
+                    result = gate(self.opts.baseline, now, update=self.opts.update_baseline,
+                                  ci=in_ci())
                 except (BaselineError, OSError) as exc:
                     self.gate_lines = [f"baseline {self.opts.baseline}: {exc}"]
                     self.regressed = True
@@ -515,9 +531,12 @@ class _Controller:
                     self.gate_lines = result.lines("--tyingspec-update-baseline")
                     if result.failed:
                         # pytest's counters may all say "passed" (an xfail, a deselected
-                        # failure...): the gate alone decides the exit status here.
+                        # failure, a missing baseline under CI...): the gate alone decides the
+                        # exit status here.
                         self.regressed = True
-                        session.testsfailed += len(result.regressions)
+                        if result.action == "missing":
+                            self.gate_title = "tyingspec baseline MISSING"
+                        session.testsfailed += max(1, len(result.regressions))
         if self.opts.summary is not None:
             rows = [(n, v.invariant, v.status, v.diagnosis or ("" if v.status == "passed"
                                                                 else v.label))
@@ -544,8 +563,16 @@ class _Controller:
                     f"{v.short()}".rstrip(),
                     red=v.status in ("failed", "adapter_error", "error"),
                     green=v.status == "passed")
+        from ._baseline import legend
+
+        # the codes above, defined: a reader of a CI log has no catalogue at hand
+        codes = legend(v.invariant for _, v in sorted(self.verdicts.items()))
+        if codes:
+            tr.line("invariants:")
+            for code, text in codes:
+                tr.line(f"  {'[' + code + ']':<{inv_width}}  {text}")
         if self.regressed:
-            tr.section("tyingspec baseline REGRESSION", sep="!", red=True, bold=True)
+            tr.section(self.gate_title, sep="!", red=True, bold=True)
             for line in self.gate_lines:
                 tr.line(line, red=True, bold=True)
         else:

@@ -7,9 +7,11 @@ collects the same ids in the same order.  Each test is a real ``@given`` functio
 pytest integration (shrinking, the falsifying example, statistics, the database) applies.
 
 Replay strings (what a failure prints after ``--tyingspec-replay=``) carry the drawn parameters
-rather than a ``@reproduce_failure`` blob, which is not stable across Hypothesis versions::
+rather than a ``@reproduce_failure`` blob, which is not stable across Hypothesis versions.  A
+drawn case is its shapes and one seed, every array built from the seed, so the parameters that
+differ from a case's defaults are the whole key::
 
-    sum_of_paths V=2 d=1 N=1 seed=0 composition=random res=1.0 s_in=1.0 bias=False ...
+    sum_of_paths V=2 d=1 N=1 seed=0 bias=False
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ PROFILES: dict[str, dict[str, Any]] = {
     "thorough": {"max_examples": 400},
 }
 
-#: Attribute on an AdapterError naming the batch it happened on (read by the plugin's report).
+#: Attribute on an AdapterError or PropertyFailure naming the case Hypothesis drew for it (read
+#: by the plugin's report: the replay line replays that case, the property builds the rest).
 CASE_ATTR = "tyingspec_case"
 
 
@@ -83,14 +86,14 @@ def property_names(kind: str) -> list[str]:
 
 def _make_test(prop: Property, chosen: settings, replay: Case | None) -> Callable[..., None]:
     from ._adapters import AdapterError
-    from .properties import label_locked
+    from .properties import PropertyFailure, label_locked
 
     check = label_locked(prop.check)
 
     def test_property(tyingspec_target: Target, case: Case) -> None:
         try:
             check(tyingspec_target, case)
-        except AdapterError as exc:
+        except (AdapterError, PropertyFailure) as exc:
             setattr(exc, CASE_ATTR, case)
             raise
 
@@ -154,13 +157,31 @@ def _format_value(value: object) -> str:
     return str(value)
 
 
+#: Fields every replay string names (parse_replay needs them), default or not.
+REPLAY_REQUIRED = ("V", "d", "N", "seed")
+
+
 def format_replay(prop: str, case: Case) -> str:
-    """``PROPERTY key=value ...`` with every field of ``case`` (except its name)."""
+    """``PROPERTY key=value ...``: V, d, N, seed and every other field of ``case`` (its name
+    aside) that differs from its default; :func:`parse_replay` fills the defaults back in."""
     from ._cases import Case
 
     parts = [prop] + [f"{f.name}={_format_value(getattr(case, f.name))}"
-                      for f in dataclasses.fields(Case) if f.name != "name"]
+                      for f in dataclasses.fields(Case) if f.name != "name" and
+                      (f.name in REPLAY_REQUIRED or getattr(case, f.name) != f.default)]
     return " ".join(parts)
+
+
+def replay_key(kind: str, drawn: Case, ran: Case | None) -> Case:
+    """The case a replay line names: the one Hypothesis drew (its batch is built from it, as
+    the run built it).  A model with its own shape (torch) runs every draw at its own V, d and
+    N (tyingspec._engine.own_case), so those are printed rather than the drawn ones, which
+    never ran; the replay is the same."""
+    from ._kinds import kind_spec
+
+    if ran is None or drawn.tokens is not None or not kind_spec(kind).own_shape:
+        return drawn
+    return dataclasses.replace(drawn, V=ran.V, d=ran.d, N=ran.N)
 
 
 def _parse_value(key: str, annotation: str, text: str) -> object:
@@ -198,7 +219,7 @@ def parse_replay(text: str) -> tuple[str, Case]:
             raise ValueError(f"expected key=value with key one of {', '.join(fields)}; "
                              f"got {pair!r}")
         values[key] = _parse_value(key, fields[key], raw)
-    missing = [k for k in ("V", "d", "N", "seed") if k not in values]
+    missing = [k for k in REPLAY_REQUIRED if k not in values]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (a replay needs at least V, d, N, seed)")
     return prop, Case(name="replay", **values)  # type: ignore[arg-type]
