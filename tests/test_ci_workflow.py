@@ -251,3 +251,15 @@ def test_ci_run_installs_torch_only_under_the_constraints() -> None:
             assert "-c" in words and words[words.index("-c") + 1] == ".ci/constraints.txt", line
     dev = [ln for ln in installs if "'.[dev]'" in ln]
     assert len(dev) == 1 and " -c .ci/constraints.txt" in dev[0]
+
+
+def test_ci_runs_the_readmes_two_commands_as_written() -> None:
+    # the README's two set-up commands are the first two lines .ci/run runs (each followed by
+    # `|| exit 1`, since `set -e` does not stop inside an `a && b` list)
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("```\n", 2)[1]
+    commands = [line for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2, block
+    run = [line.removesuffix(" || exit 1") for line in (ROOT / ".ci" / "run").read_text()
+           .splitlines() if line.startswith("pip install")]
+    assert run == commands
