@@ -1,7 +1,11 @@
 """User code runs in a worker process: its crash, exit or hang ends a case, never the run.
 
-A ``module:attr`` target is imported and called in one persistent worker process (started with
-``spawn``, so nothing of tyingspec's own state leaks into it).  The parent sends the inputs of a
+A ``module:attr`` target is imported and called in one persistent worker process: a fresh
+interpreter that runs :mod:`tyingspec._worker`, with this process's ``sys.path`` (set before it
+imports anything), working directory and ``sys.argv``, so nothing of tyingspec's own state leaks
+into it and user modules import as they do here.  Unlike a ``spawn`` child it never imports this
+process's ``__main__``: a user's script that runs a check needs no ``if __name__ ==
+"__main__":`` guard (a spawned worker re-ran the script).  The parent sends the inputs of a
 call and waits, with a timeout, for the validated result.  When the worker raises
 ``SystemExit``, calls ``os._exit``, dies of a signal or runs past the timeout, that call becomes
 an :class:`~tyingspec.AdapterError` naming what happened, the worker is killed and a fresh one
@@ -41,12 +45,13 @@ import copy
 import faulthandler
 import json
 import math
-import multiprocessing as mp
+import multiprocessing
 import os
 import re
 import secrets
 import signal
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -638,7 +643,7 @@ def _call(spec: str, fn: Any, table: Any, message: tuple[str, dict[str, Any]],
 
 #: Every worker process this process started and has not reaped yet, by pid (which is also its
 #: process group's id): what :func:`_end_all` kills.
-_LIVE: dict[int, Any] = {}
+_LIVE: dict[int, _Process] = {}
 #: The shared blocks this process made for its workers' calls (inputs) or named for their
 #: results, until unlinked or taken: what :func:`_end_all` unlinks.
 _BLOCKS: set[str] = set()
@@ -680,9 +685,9 @@ def _end_group() -> None:
     os.killpg(os.getpid(), signal.SIGKILL)
 
 
-def _kill(proc: Any) -> None:
+def _kill(proc: _Process) -> None:
     """SIGKILL the process group of the worker ``proc`` (what its target forked, and the
-    worker), then the worker itself (one killed before it had a group of its own)."""
+    worker), then the worker itself (should it have left that group)."""
     pgid = proc.pid
     if hasattr(os, "killpg") and pgid not in (None, 0, 1, os.getpgrp()):
         try:
@@ -695,7 +700,7 @@ def _kill(proc: Any) -> None:
         pass
 
 
-def _exited(proc: Any, timeout: float) -> None:
+def _exited(proc: _Process, timeout: float) -> None:
     """Wait up to ``timeout`` for the worker ``proc`` to exit, without reaping it: until it is
     reaped its pid, its process group's id, is no one else's, so :func:`_kill` cannot reach
     another process's group."""
@@ -714,7 +719,7 @@ def _exited(proc: Any, timeout: float) -> None:
         time.sleep(0.005)
 
 
-def _reap(proc: Any, result: str | None) -> None:
+def _reap(proc: _Process, result: str | None) -> None:
     """Wait for a worker told to stop, then kill its process group (whatever its target
     forked, and the worker if it lingers) and reap it.  Then unlink ``result``, the block a
     call still unanswered may have left: only now can the worker not create it."""
@@ -780,8 +785,8 @@ def install_signal_cleanup() -> None:
     thread leaves them to a later one."""
     if not _installed["atexit"]:
         _installed["atexit"] = True
-        # registered after multiprocessing's exit handler, it runs first: that one only
-        # terminates the workers, and what their targets forked would live on
+        # nothing else ends the workers at exit (they are no multiprocessing children), nor
+        # what their targets forked
         atexit.register(_end_all)
     if _installed["signals"] or threading.current_thread() is not threading.main_thread():
         return
@@ -803,6 +808,76 @@ def _exc_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
+class _Process:
+    """A worker started by :func:`_start`, with what this module uses of a
+    ``multiprocessing.Process``: ``exitcode`` is None while it runs, its status once it has
+    exited, minus the signal's number when a signal killed it."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self._popen.kill()  # no signal once reaped: its pid may be another process's by then
+
+    def terminate(self) -> None:
+        self._popen.terminate()
+
+
+def _start(spec: str, kind: str, paths: tuple[str, ...]) -> tuple[_Process, Connection]:
+    """Start a worker for ``spec`` (see :mod:`tyingspec._worker`) and return it with this
+    process's end of the connection to it."""
+    from multiprocessing import resource_tracker
+
+    from ._worker import BOOTSTRAP
+
+    parent, child = multiprocessing.Pipe()  # a socket pair: the same channel spawn gave
+    # the tracker of this process's shared blocks, which the worker registers its own with (as
+    # a spawned child did): started here if it is not yet
+    tracker = resource_tracker.getfd()
+    fds = (child.fileno(),) if tracker is None else (child.fileno(), tracker)
+    # the interpreter's own options (-O, -W, -X, -I, ...) as a spawned child had them
+    flags: list[str] = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    where = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))]
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, *flags, "-c", BOOTSTRAP, str(child.fileno()),
+             str(-1 if tracker is None else tracker), *where],
+            stdin=subprocess.DEVNULL, pass_fds=fds,
+            # a group of its own from the start, which no Ctrl-C of the terminal reaches;
+            # _kill can end it (and what the target forks) before the worker has run a line
+            process_group=0)
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    proc = _Process(popen)
+    _LIVE[proc.pid] = proc
+    try:
+        # the rest of what the worker needs comes by the pipe; its sys.argv is this process's,
+        # for a target that reads it as it imports, as under spawn
+        parent.send((spec, kind, paths, list(sys.argv)))
+    except BaseException:
+        parent.close()
+        _reap(proc, None)
+        raise
+    return proc, parent
+
+
 @dataclass(eq=False)
 class Worker:
     """A persistent worker process for one target; restarted after a crash or a timeout."""
@@ -813,7 +888,7 @@ class Worker:
     paths: tuple[str, ...] = ()  # put first on the worker's sys.path (where user code lives)
     signature_problem: str | None = None
     fits: list[str] = field(default_factory=list)
-    _proc: Any = None
+    _proc: _Process | None = None
     _conn: Connection | None = None
     _loading: float | None = None  # the load's deadline while its answer is still to come
     _running: float | None = None  # a submitted call's deadline while its answer is to come
@@ -826,14 +901,7 @@ class Worker:
         """Start the worker and let it import the target while this process goes on; the
         answer is :meth:`wait_loaded`'s (every call waits for it first)."""
         install_signal_cleanup()
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, self.spec, self.kind, self.paths),
-                           daemon=True, name=f"tyingspec-worker:{self.spec}")
-        proc.start()
-        assert proc.pid is not None
-        _LIVE[proc.pid] = proc
-        child.close()
+        proc, parent = _start(self.spec, self.kind, self.paths)
         self._proc, self._conn = proc, parent
         self._loading = time.monotonic() + LOAD_TIMEOUT
 
@@ -1012,8 +1080,8 @@ class Worker:
     def stop(self, *, wait: bool = True) -> None:
         """End the worker (politely, then by force) and free the shared blocks.  With
         ``wait=False`` a background thread waits for the exit (a torch worker takes ~0.3 s
-        to finalise) and kills a worker that lingers; the process is never left behind: it is
-        a daemon, ended with this one."""
+        to finalise) and kills a worker that lingers; the process is never left behind: this
+        process ends it at exit (see :func:`install_signal_cleanup`)."""
         proc, conn = self._proc, self._conn
         self._proc = self._conn = None
         self._loading = self._running = None
