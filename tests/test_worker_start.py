@@ -1,0 +1,155 @@
+"""A user's own script that calls tyingspec needs no ``if __name__ == "__main__":`` guard: the
+worker that imports and calls the target starts as a module of its own and never imports the
+script (a ``spawn`` worker re-ran it, which failed the check or ran it recursively)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+#: A correct model adapter in numpy, which notes the pid of each process that calls it.
+ADAPTER = '''
+import os
+
+import numpy as np
+
+CALLS = {calls!r}
+
+
+def tied_backward(E, W, b, tokens, targets, *, res, s_in):
+    with open(CALLS, "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    tokens, targets = np.asarray(tokens).reshape(-1), np.asarray(targets).reshape(-1)
+    N = tokens.shape[0]
+    x = s_in * E[tokens]
+    t = np.tanh(x @ W)
+    h = res * x + t
+    logits = h @ E.T + (0 if b is None else b)
+    z = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    loss = -np.log(p[np.arange(N), targets]).mean()
+    g = p.copy()
+    g[np.arange(N), targets] -= 1
+    g /= N
+    dh = g @ E
+    du = dh * (1 - t * t)
+    dx = res * dh + du @ W.T
+    dE = g.T @ h
+    np.add.at(dE, tokens, s_in * dx)
+    return {{"loss": loss, "dE": dE, "dW": x.T @ du,
+            "db": None if b is None else g.sum(axis=0)}}
+'''
+
+#: The first lines of every script: no ``__main__`` guard, and a note of each run of its body.
+PROLOGUE = '''
+import os
+import sys
+
+import tyingspec
+
+with open({runs!r}, "a") as f:
+    f.write(f"{{os.getpid()}}\\n")
+'''
+
+CHECK = PROLOGUE + '''
+report = tyingspec.check("mygrads:tied_backward", paths=[{here!r}], case="absent-tokens")
+print("verdict:", report.verdict)
+sys.exit(0 if report.ok else 1)
+'''
+
+PROPERTY = PROLOGUE + '''
+from hypothesis import HealthCheck, given, settings
+from tyingspec.properties import PROPERTIES
+
+prop = PROPERTIES["sum_of_paths"]
+target = tyingspec.load("mygrads:tied_backward", "model", paths=({here!r},))
+assert target.worker is not None, "a module:attr target runs in a worker"
+try:
+    given(prop.strategy())(settings(max_examples=5, database=None, deadline=None,
+                                    suppress_health_check=list(HealthCheck))(
+        lambda case: prop.check(target, case)))()
+finally:
+    target.close()
+print("property: passed")
+'''
+
+#: The adapter found only through the script's own sys.path (no ``paths``), its data file only
+#: through the script's working directory: the worker is handed both.
+SYS_PATH = PROLOGUE + '''
+sys.path.insert(0, {lib!r})
+report = tyingspec.check("hidden:tied_backward", paths=[], case="absent-tokens")
+print("verdict:", report.verdict)
+sys.exit(0 if report.ok else 1)
+'''
+
+
+def _write(where: Path, name: str, text: str) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / name
+    path.write_text(text)
+    return path
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # PYTHONPATH emptied: the adapter is found through the paths the script gives, not the
+    # environment (the worker would inherit that whatever its start)
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ""})
+
+
+@pytest.fixture()
+def adapter(tmp_path: Path) -> Path:
+    _write(tmp_path, "mygrads.py", ADAPTER.format(calls=str(tmp_path / "calls")))
+    return tmp_path
+
+
+def _ran_once(where: Path, out: subprocess.CompletedProcess[str], expect: str) -> None:
+    """The script exited 0 with ``expect`` in its output, its body ran exactly once, and the
+    adapter was called, in a process other than the script's."""
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert expect in out.stdout, text[-4000:]
+    assert "bootstrapping phase" not in text, text[-4000:]
+    runs = _lines(where / "runs")
+    assert len(runs) == 1, f"the script's body ran {len(runs)} times:\n{text[-4000:]}"
+    calls = set(_lines(where / "calls"))
+    assert calls, "the adapter was never called"
+    assert runs[0] not in calls, "the adapter ran in the script's own process, not a worker"
+
+
+def test_a_script_without_a_main_guard_checks_a_target(adapter: Path) -> None:
+    script = _write(adapter, "check_mine.py",
+                    CHECK.format(runs=str(adapter / "runs"), here=str(adapter)))
+    _ran_once(adapter, _run(adapter, str(script)), "verdict: correct")
+
+
+def test_a_module_run_with_dash_m_without_a_main_guard_checks_a_target(adapter: Path) -> None:
+    _write(adapter / "pkg", "__init__.py", "")
+    _write(adapter / "pkg", "script.py",
+           CHECK.format(runs=str(adapter / "runs"), here=str(adapter)))
+    _ran_once(adapter, _run(adapter, "-m", "pkg.script"), "verdict: correct")
+
+
+def test_a_script_without_a_main_guard_runs_a_property_on_a_target(adapter: Path) -> None:
+    script = _write(adapter, "prop_mine.py",
+                    PROPERTY.format(runs=str(adapter / "runs"), here=str(adapter)))
+    _ran_once(adapter, _run(adapter, str(script)), "property: passed")
+
+
+def test_the_worker_gets_the_scripts_sys_path_and_working_directory(tmp_path: Path) -> None:
+    lib, work = tmp_path / "lib", tmp_path / "work"
+    _write(work, "data.txt", "absent-tokens\n")
+    # the adapter reads a file relative to the working directory at import
+    _write(lib, "hidden.py", "CASE = open('data.txt').read().strip()\n" +
+           ADAPTER.format(calls=str(tmp_path / "calls")))
+    script = _write(tmp_path, "check_hidden.py",
+                    SYS_PATH.format(runs=str(tmp_path / "runs"), lib=str(lib)))
+    _ran_once(tmp_path, _run(work, str(script)), "verdict: correct")
