@@ -8,7 +8,7 @@ the isolated path) it times, interleaved over ``--repeats`` rounds, ``--calls`` 
 ``tyingspec._engine.call`` in-process and through the worker, at a property-sized batch
 (V=32, d=8, N=12) and at a larger one (V=4096, d=256, N=512), and prints the per-call median,
 min and max and the difference (the isolation's cost: pickling the inputs and outputs through
-a pipe).  It also times starting the worker (spawn + imports).
+a pipe).  It also times starting the worker (a fresh interpreter, imports).
 
 At GPT-2 size (V=50257, d=768, float32; ``--gpt2-repeats 0`` skips it) it times the two calls
 ``tyingspec check benchmarks.torch_probe:tied_f32 --precision float32 --shape 50257,768,1024``
@@ -162,7 +162,7 @@ def main() -> None:
         t0 = time.perf_counter()
         load(spec, "model").close()
         starts.append(time.perf_counter() - t0)
-    print(f"starting a worker (spawn, imports, signature check): {_spread(starts)}")
+    print(f"starting a worker (a fresh interpreter, imports, signature check): {_spread(starts)}")
 
 
 if __name__ == "__main__":
