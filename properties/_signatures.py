@@ -27,7 +27,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from tyingspec._cases import Batch, Case, sgd_step
-from tyingspec._diagnosis import Diagnosis, diagnose
+from tyingspec._diagnosis import Diagnosis, diagnose, misrouted_input_fits
 from tyingspec._engine import (
     AFTER_STEP,
     FIRST_CALL,
@@ -216,13 +216,13 @@ def _fixed(*labels: str) -> Labels:
 
 
 def _scaled_or_weak() -> Labels:
-    """``path_scaled``, or the row pattern's label on an example with one wrong entry, where a
-    factor that is not a simple number is no evidence of a scale (see
+    """``path_scaled``, or the row pattern's label on an example with fewer than three wrong
+    entries, where a factor that is not a simple number is no evidence of a scale (see
     ``tyingspec._diagnosis._one_factor``)."""
     def labels(o: Observation) -> set[str]:
         wrong = ~row_bound(o.paths, o.precision).close(
             np.asarray(o.returned.dE, np.float64), _f64(o.paths.dE))
-        weak = {"input_path_wrong", "output_path_wrong", "unknown"} if wrong.sum() < 2 else set()
+        weak = {"input_path_wrong", "output_path_wrong", "unknown"} if wrong.sum() < 3 else set()
         return {"path_scaled"} | weak
     return labels
 
@@ -328,6 +328,7 @@ _combination("padding-row-masked",
 
 def _wrong_output_path(o: Observation, actual: Array) -> set[str] | None:
     """Labels for a wrong output path: output_path_wrong once some absent row is surely wrong
+    (unknown too where a misrouted input path would look the same)
     (path_scaled too when the wrong head gradient happens to be a multiple of g.T @ h, e.g.
     d = 1 and one distinct token).  None (any wrong label) when no absent row is surely wrong:
     then the row pattern cannot tell which path is at fault."""
@@ -336,8 +337,14 @@ def _wrong_output_path(o: Observation, actual: Array) -> set[str] | None:
     surely = ~_scaled(tol, 10.0).close(actual, _f64(o.paths.dE)).all(axis=1)
     if not (surely & absent).any():
         return None
-    return {"output_path_wrong"} | ({"path_scaled"} if _scaled_paths_fit(actual, o.paths, tol)
-                                    else set())
+    # present rows wrong too, and no more wrong absent rows than positions: the input path
+    # scattered into the wrong rows would look the same, so unknown is honest there
+    wrong = ~tol.close(actual, _f64(o.paths.dE)).all(axis=1)
+    rows = np.flatnonzero(wrong & absent)
+    ambiguous = bool((wrong & ~absent).any()) and rows.shape[0] <= o.case.N and \
+        misrouted_input_fits(o.paths, rows, actual[rows] - _f64(o.paths.dE_out)[rows], tol)
+    return {"output_path_wrong"} | ({"unknown"} if ambiguous else set()) | (
+        {"path_scaled"} if _scaled_paths_fit(actual, o.paths, tol) else set())
 
 
 _combination("output-path-from-x", "dE_in + g.T @ x (absent rows wrong)", _output_from_x,

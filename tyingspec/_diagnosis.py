@@ -499,11 +499,11 @@ def _holds_some_occurrences(paths: Paths, row: int, actual: Array, out: Array,
 
 
 def _wrong_entries(view: _Dense | _Sketched, wrong_rows: list[int], tol: Tolerance) -> int:
-    """How many entries of the wrong rows are outside their bound (two at least when a row is
-    not compared entry by entry: a projected row is only ever wrong at large d)."""
+    """How many entries of the wrong rows are outside their bound (three at least when a row
+    is not compared entry by entry: a projected row is only ever wrong at large d)."""
     rows = np.asarray(wrong_rows, dtype=np.int64)
     if isinstance(view, _Sketched) and not np.isin(rows, view.exact).all():
-        return max(2, len(wrong_rows))
+        return max(3, len(wrong_rows))
     expected = view.rows("in", rows) + view.rows("out", rows)
     return int((~tol.rows(rows).close(view.rows("actual", rows), expected)).sum())
 
@@ -523,6 +523,22 @@ def _overwritten_rows(view: _Dense | _Sketched, paths: Paths, present: np.ndarra
             return None
         single.append(r)
     return single
+
+
+def misrouted_input_fits(paths: Paths, rows: np.ndarray, residuals: Array,
+                         tol: Tolerance) -> bool:
+    """Whether each of the absent ``rows``' ``residuals`` (dE minus the reference) could be dx
+    of some positions scattered into that row instead of into its token's: a subset sum of the
+    positions' input-path contributions, within the row's bound.  Beyond ``_SUBSET_LIMIT``
+    positions the subsets are not enumerated: any residual is taken to fit."""
+    n = paths.tokens.shape[0]
+    if n > _SUBSET_LIMIT:
+        return True
+    pick = (np.arange(1, 2 ** n)[:, None] >> np.arange(n)[None, :]) & 1
+    sums = pick.astype(np.float64) @ paths.per_position.astype(np.float64)
+    return all(bool(tol.rows(rows[i:i + 1]).close(np.broadcast_to(r, sums.shape), sums)
+                    .all(axis=1).any())
+               for i, r in enumerate(np.asarray(residuals, np.float64)))
 
 
 def _occurrence_variants(paths: Paths, rows: np.ndarray) -> dict[str, Array]:
@@ -641,6 +657,10 @@ def diagnose(
             out_r = view.rows("out", row)
             cause = next((f"duplicates: {k}" for k, v in variants.items()
                           if on_rows(row, v[rep_pos[r]][None, :] + out_r).all()), cause)
+            if cause == "unexplained":  # e.g. a racy scatter: some, not all, occurrences
+                k = _holds_some_occurrences(paths, r, view.rows("actual", row)[0], out_r[0],
+                                            tol.rows(row))
+                cause = cause if k is None else f"duplicates: {k} of {repeated[r]} occurrences"
         causes.setdefault(cause, []).append(r)
 
     label: Label = "unknown"
@@ -669,14 +689,14 @@ def diagnose(
     else:
         only_repeated = bool(repeated) and set(wrong_rows) <= set(repeated)
         kept = [k for k, v in variants.items() if whole_on(rep, v + view.rows("out", rep))]
-        # One wrong entry fits any factor: there only a simple factor (x2, x1/16, xN) is
-        # evidence of a scale, and any one that fits over two or more.
-        scaled = _one_factor(view, simple_only=0 if _wrong_entries(view, wrong_rows, tol) >= 2
+        # One wrong entry fits any factor, and two can be one datum: each position's logit
+        # gradient sums to zero over the vocabulary, so dx moved from one row to another (V = 2,
+        # d = 1) is exactly the output path scaled.  Below three wrong entries only a simple
+        # factor (x2, x1/16, xN) is evidence of a scale.
+        scaled = _one_factor(view, simple_only=0 if _wrong_entries(view, wrong_rows, tol) >= 3
                              else int(tokens.shape[0]))
-        partial = {r: _holds_some_occurrences(paths, r, view.rows("actual", np.array([r]))[0],
-                                              view.rows("out", np.array([r]))[0],
-                                              tol.rows(np.array([r])))
-                   for r in wrong_rows} if only_repeated and not kept else {}
+        # each wrong row holds some of its occurrences (see the per-row causes)
+        partial = only_repeated and all(c.startswith("duplicates:") for c in causes)
         overwritten = _overwritten_rows(view, paths, pres, tol) if outside_ok(pres) else None
         if only_repeated and kept:
             label = "duplicates_not_accumulated"
@@ -685,13 +705,9 @@ def diagnose(
             label, detail, scales = "path_scaled", _describe_scales(a, c), (a, c)
             # Every wrong row is explained by the fitted factor: attribute them to it.
             causes = {detail: [r for rows in causes.values() for r in rows]}
-        elif partial and all(k is not None for k in partial.values()):
+        elif partial:
             # e.g. a racy scatter: each wrong row holds some, not all, of its occurrences
             label = "duplicates_not_accumulated"
-            causes = {f"duplicates: {k} of {repeated[r]} occurrences": [] for r, k in
-                      partial.items()}
-            for r, k in partial.items():
-                causes[f"duplicates: {k} of {repeated[r]} occurrences"].append(r)
         elif overwritten is not None:
             # llm.c's `dwte[ix] = d`, written position by position after the head's matmul:
             # the output path and all but one occurrence of a repeated token are overwritten
@@ -718,14 +734,20 @@ def diagnose(
         # present rows holding exactly the output path lost their input path (a masked row).
         absent_wrong = [r for r in wrong_rows if not present[r]]
         n_absent = int((~present).sum())
-        lost = causes.get("input path missing", [])
-        if absent_wrong and lost:
-            # Present rows lost their input path and absent rows gained something: the input
-            # path may have gone into the wrong rows (e.g. the targets'), or both paths are
-            # wrong.  No one path explains both, so the label stays unknown.
+        present_wrong = [r for r in wrong_rows if present[r]]
+        rows = np.asarray(absent_wrong, dtype=np.int64)
+        if absent_wrong and present_wrong and len(absent_wrong) <= tokens.shape[0] and (
+                isinstance(view, _Sketched) or misrouted_input_fits(
+                    paths, rows, view.rows("actual", rows) - view.rows("out", rows), tol)):
+            # Absent rows wrong and present rows wrong, no more absent ones than the batch has
+            # positions, and each holds what some positions' dx would add: the output path may
+            # be wrong, or the input path went into the wrong rows (e.g. the targets'), taking
+            # from the present rows what the absent ones gained.  The rows cannot tell which,
+            # so the label stays unknown.
             detail = (f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong (they carry "
-                      f"the output path alone); present rows {lost} hold the output path only "
-                      "(their input path is missing): is dx scattered into the wrong rows?")
+                      f"the output path alone) and {len(present_wrong)} of "
+                      f"{_n(len(uniq), 'present row')}: a wrong output path, or dx scattered "
+                      "into the wrong rows?")
         elif absent_wrong:
             label = "output_path_wrong"
             detail = f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong"

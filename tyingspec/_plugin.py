@@ -537,11 +537,13 @@ class _Controller:
                         if result.action == "missing":
                             self.gate_title = "tyingspec baseline MISSING"
                         session.testsfailed += max(1, len(result.regressions))
+        verdict = self._run_verdict()
         if self.opts.summary is not None:
             rows = [(n, v.invariant, v.status, v.diagnosis or ("" if v.status == "passed"
                                                                 else v.label))
                     for n, v in sorted(self.verdicts.items())]
-            title = f"tyingspec: `{self.opts.adapter}` ({self.opts.kind}, {self.opts.profile})"
+            title = f"tyingspec: `{self.opts.adapter}` ({self.opts.kind}, {self.opts.profile})" \
+                + (f": {verdict}" if verdict else "")
             text = summary_markdown(title, rows, self.gate_lines or None)
             try:
                 # Append: $GITHUB_STEP_SUMMARY collects every step's summary in one file.
@@ -549,6 +551,16 @@ class _Controller:
                     fh.write(text)
             except OSError as exc:
                 self.gate_lines.append(f"summary {self.opts.summary} cannot be written: {exc}")
+
+    def _run_verdict(self) -> str:
+        """``wrong (label)`` when properties failed on the gradient: the label their examples'
+        rows explain, named by the rule ``tyingspec check`` names its run by (so the two front
+        ends name one bug alike); "" otherwise."""
+        from ._diagnosis import LABELS, run_label
+
+        labels = [v.label for _, v in sorted(self.verdicts.items())
+                  if v.status == "failed" and v.label in LABELS]
+        return f"wrong ({run_label(labels)})" if labels else ""
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         tr = terminalreporter
@@ -563,6 +575,9 @@ class _Controller:
                     f"{v.short()}".rstrip(),
                     red=v.status in ("failed", "adapter_error", "error"),
                     green=v.status == "passed")
+        verdict = self._run_verdict()
+        if verdict:
+            tr.line(f"verdict: {verdict}", red=True, bold=True)
         from ._baseline import legend
 
         # the codes above, defined: a reader of a CI log has no catalogue at hand
