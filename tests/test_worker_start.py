@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 
-#: A correct model adapter in numpy, which notes the pid of each process that calls it.
+#: The README's numpy model adapter (examples/numpy_model/grads.py), copied beside the target
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "numpy_model" / "grads.py"
+
+#: A correct model adapter (the example's), which notes the pid of each process that calls it.
 ADAPTER = '''
 import os
 
-import numpy as np
+from example_grads import tied_backward as _example
 
 CALLS = {calls!r}
 
@@ -23,25 +26,7 @@ CALLS = {calls!r}
 def tied_backward(E, W, b, tokens, targets, *, res, s_in):
     with open(CALLS, "a") as f:
         f.write(f"{{os.getpid()}}\\n")
-    tokens, targets = np.asarray(tokens).reshape(-1), np.asarray(targets).reshape(-1)
-    N = tokens.shape[0]
-    x = s_in * E[tokens]
-    t = np.tanh(x @ W)
-    h = res * x + t
-    logits = h @ E.T + (0 if b is None else b)
-    z = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
-    loss = -np.log(p[np.arange(N), targets]).mean()
-    g = p.copy()
-    g[np.arange(N), targets] -= 1
-    g /= N
-    dh = g @ E
-    du = dh * (1 - t * t)
-    dx = res * dh + du @ W.T
-    dE = g.T @ h
-    np.add.at(dE, tokens, s_in * dx)
-    return {{"loss": loss, "dE": dE, "dW": x.T @ du,
-            "db": None if b is None else g.sum(axis=0)}}
+    return _example(E, W, b, tokens, targets, res=res, s_in=s_in)
 '''
 
 #: The first lines of every script: no ``__main__`` guard, and a note of each run of its body.
@@ -105,9 +90,14 @@ def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300, env={**os.environ, "PYTHONPATH": ""})
 
 
+def _write_adapter(where: Path, name: str, text: str) -> None:
+    _write(where, "example_grads.py", EXAMPLE.read_text())
+    _write(where, name, text)
+
+
 @pytest.fixture()
 def adapter(tmp_path: Path) -> Path:
-    _write(tmp_path, "mygrads.py", ADAPTER.format(calls=str(tmp_path / "calls")))
+    _write_adapter(tmp_path, "mygrads.py", ADAPTER.format(calls=str(tmp_path / "calls")))
     return tmp_path
 
 
@@ -148,8 +138,8 @@ def test_the_worker_gets_the_scripts_sys_path_and_working_directory(tmp_path: Pa
     lib, work = tmp_path / "lib", tmp_path / "work"
     _write(work, "data.txt", "absent-tokens\n")
     # the adapter reads a file relative to the working directory at import
-    _write(lib, "hidden.py", "CASE = open('data.txt').read().strip()\n" +
-           ADAPTER.format(calls=str(tmp_path / "calls")))
+    _write_adapter(lib, "hidden.py", "CASE = open('data.txt').read().strip()\n" +
+                   ADAPTER.format(calls=str(tmp_path / "calls")))
     script = _write(tmp_path, "check_hidden.py",
                     SYS_PATH.format(runs=str(tmp_path / "runs"), lib=str(lib)))
     _ran_once(tmp_path, _run(work, str(script)), "verdict: correct")
