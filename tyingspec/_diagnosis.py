@@ -484,13 +484,19 @@ _SUBSET_LIMIT = 12
 
 def _holds_some_occurrences(paths: Paths, row: int, actual: Array, out: Array,
                             tol: Tolerance) -> int | None:
-    """How many of ``row``'s occurrences its dE holds (with its output path), when some proper,
-    non-empty subset of them explains it within the bound; else None.  A racy or partial
-    scatter loses some occurrences; only such a row is a duplicates bug (one that lost all of
-    them is a masked row)."""
+    """How many of ``row``'s occurrences its dE holds (with its output path), when one of them
+    (at any count) or some proper, non-empty subset of them (up to ``_SUBSET_LIMIT``) explains
+    it within the bound; else None.  A racy or partial scatter loses some occurrences; only such
+    a row is a duplicates bug (one that lost all of them is a masked row)."""
     where = np.flatnonzero(paths.tokens == row)
     c = where.shape[0]
-    if not 1 < c <= _SUBSET_LIMIT:
+    if c < 2:
+        return None
+    # one occurrence, at any count: index_copy_ / index_put_(accumulate=False) keep one of them
+    one = paths.per_position[where].astype(np.float64) + out
+    if tol.close(np.broadcast_to(actual, one.shape), one).all(axis=1).any():
+        return 1
+    if c > _SUBSET_LIMIT:
         return None
     pick = (np.arange(1, 2 ** c - 1)[:, None] >> np.arange(c)[None, :]) & 1  # proper subsets
     sums = pick.astype(np.float64) @ paths.per_position[where].astype(np.float64) + out
@@ -695,8 +701,18 @@ def diagnose(
         # factor (x2, x1/16, xN) is evidence of a scale.
         scaled = _one_factor(view, simple_only=0 if _wrong_entries(view, wrong_rows, tol) >= 3
                              else int(tokens.shape[0]))
-        # each wrong row holds some of its occurrences (see the per-row causes)
-        partial = only_repeated and all(c.startswith("duplicates:") for c in causes)
+        # each wrong row holds some of its occurrences (see the per-row causes); the declared
+        # padding row aside, whose occurrences the reference leaves out by declaration (a
+        # scatter that keeps one occurrence, index_copy_, skips the padding mask too: it is
+        # named in the detail, not explained)
+        pad = paths.padding_idx
+        pad_unexplained = pad is not None and pad in causes.get("unexplained", []) and \
+            pad in repeated
+        # (a repeated row that lost every occurrence, beside rows that lost some, lost them to
+        # the same scatter)
+        partial = only_repeated and any(c.startswith("duplicates:") for c in causes) and all(
+            c.startswith("duplicates:") or c == "input path missing" or (
+                c == "unexplained" and pad_unexplained and causes[c] == [pad]) for c in causes)
         overwritten = _overwritten_rows(view, paths, pres, tol) if outside_ok(pres) else None
         if only_repeated and kept:
             label = "duplicates_not_accumulated"
@@ -724,6 +740,8 @@ def diagnose(
             which = "one occurrence only" if len(kept) > 1 else (kept[0] if kept else "")
             detail = (f"{which}; " if which else "") + "wrong rows are repeated tokens " + \
                 ", ".join(f"{r} (x{repeated[r]})" for r in wrong_rows)
+            if pad_unexplained:
+                detail += f"; the padding row {pad} got input path too (its mask skipped)"
 
     present = np.zeros(V, dtype=bool)
     present[uniq] = True
