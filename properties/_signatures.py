@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from hypothesis import strategies as st
 
+from tyingspec._builtins import builtins
 from tyingspec._cases import Batch, Case, sgd_step
 from tyingspec._diagnosis import Diagnosis, diagnose, misrouted_input_fits
 from tyingspec._engine import (
@@ -47,7 +48,6 @@ from tyingspec._engine import (
 from tyingspec._kinds import KIND_NAMES, Kind
 from tyingspec._mutants import LOGIT_SCALE, reset_state
 from tyingspec._probe import Array, Paths, closed_form_paths, forward_parts, scatter_rows
-from tyingspec._registry import builtins
 from tyingspec._render import batch_lines, diagnosis_lines
 from tyingspec._strategies import LEAVING_ROWS_ABSENT, REPEATING, cases
 from tyingspec._tolerance import LOWER, Precision, Tolerance

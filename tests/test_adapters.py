@@ -18,7 +18,7 @@ INPUTS = KINDS["model"].inputs(B)
 
 
 def _good(E, W, b, tokens, targets, *, res, s_in):  # type: ignore[no-untyped-def]
-    from tyingspec._implementations import REGISTRY
+    from tyingspec._builtins import REGISTRY
 
     return REGISTRY["tied"].model(E, W, b, tokens, targets, res=res, s_in=s_in)
 
@@ -91,7 +91,7 @@ def test_mutating_adapter_is_reported_and_callers_arrays_stay_untouched() -> Non
 
 
 WRITERS = """
-from tyingspec._implementations import REGISTRY
+from tyingspec._builtins import REGISTRY
 
 def _good(E, W, b, tokens, targets, *, res, s_in):
     return REGISTRY["tied"].model(E, W, b, tokens, targets, res=res, s_in=s_in)

@@ -15,7 +15,7 @@ import pytest
 
 ADAPTERS = textwrap.dedent('''
     import os, sys, time
-    from tyingspec._implementations import REGISTRY
+    from tyingspec._builtins import REGISTRY
     _good = REGISTRY["tied"].model
 
     def ok(E, W, b, tokens, targets, *, res, s_in):

@@ -141,7 +141,7 @@ def test_module_targets_are_found_from_the_current_directory(
         capsys: pytest.CaptureFixture[str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "cwd_adapter_mod.py").write_text(
-        "from tyingspec._implementations import REGISTRY\nf = REGISTRY['tied'].model\n")
+        "from tyingspec._builtins import REGISTRY\nf = REGISTRY['tied'].model\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     code, out = _run(capsys, "check", "cwd_adapter_mod:f")

@@ -13,11 +13,11 @@ from tyingspec.properties import PROPERTIES, PropertyFailure
 
 import tyingspec
 from tyingspec import KINDS, LABELS, load, standard_cases
+from tyingspec._builtins import builtins
 from tyingspec._check import check_target
 from tyingspec._cli import main
 from tyingspec._diagnosis import Label
 from tyingspec._mutants import reset_state
-from tyingspec._registry import builtins
 
 FORMS = [(name, kind) for name, impl in builtins().items() for kind in KINDS
          if impl.adapter(kind) is not None]

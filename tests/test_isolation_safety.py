@@ -27,7 +27,7 @@ import gc, os, pickle, sys, time
 from multiprocessing.connection import Connection
 
 from tyingspec import AdapterError
-from tyingspec._implementations import REGISTRY
+from tyingspec._builtins import REGISTRY
 
 _good = REGISTRY["tied"].model
 MARKER = {marker!r}
@@ -167,7 +167,7 @@ def test_after_a_refused_frame_a_fresh_worker_answers_and_its_result_is_right(
 
 
 def _tied(*args: Any, **kwargs: Any) -> Any:
-    from tyingspec._implementations import REGISTRY
+    from tyingspec._builtins import REGISTRY
 
     return REGISTRY["tied"].model(*args, **kwargs)
 
@@ -287,7 +287,7 @@ def test_the_worker_refuses_to_send_an_object_it_cannot_encode() -> None:
 
 FORKERS = '''
 import os, time
-from tyingspec._implementations import REGISTRY
+from tyingspec._builtins import REGISTRY
 
 HERE = {here!r}
 

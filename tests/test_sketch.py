@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tyingspec import _probe
+from tyingspec._builtins import builtins
 from tyingspec._cases import at_shape, build, kernel_paths, standard_cases
 from tyingspec._check import check_target
 from tyingspec._diagnosis import diagnose
@@ -25,7 +26,6 @@ from tyingspec._probe import (
     scatter_rows,
     sketch_directions,
 )
-from tyingspec._registry import builtins
 from tyingspec._tolerance import row_tolerance
 
 

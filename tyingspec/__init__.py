@@ -10,15 +10,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._adapters import AdapterError, Returned, resolve
+    from ._adapters import AdapterError, Returned
     from ._api import assert_correct, check
+    from ._builtins import REGISTRY
     from ._cases import Batch, Case, build, standard_cases
     from ._check import CaseResult, CheckFailed, CheckReport, check_target
     from ._diagnosis import LABELS, ArrayCheck, Diagnosis, Label, Power, compare, diagnose
     from ._engine import Observation, Target, call, judge, load, observe, reference
     from ._finite import central_differences
-    from ._implementations import REGISTRY, Implementation, register
-    from ._kinds import KINDS, Kind, KindSpec
+    from ._implementations import Implementation, register
+    from ._kinds import KINDS, Kind, KindSpec, resolve
     from ._probe import Paths, closed_form_paths, loss_only
     from ._strategies import cases
     from ._symbolic import symbolic_paths
@@ -40,7 +41,7 @@ _WHERE: dict[str, str] = {
     "LABELS": "._diagnosis",
     "Paths": "._probe",
     "Power": "._diagnosis",
-    "REGISTRY": "._implementations",
+    "REGISTRY": "._builtins",
     "Tolerance": "._tolerance",
     "build": "._cases",
     "cases": "._strategies",
@@ -64,7 +65,7 @@ _WHERE: dict[str, str] = {
     "diagnose": "._diagnosis",
     "loss_only": "._probe",
     "register": "._implementations",
-    "resolve": "._adapters",
+    "resolve": "._kinds",
     "standard_cases": "._cases",
     "symbolic_paths": "._symbolic",
     "tolerance_for": "._tolerance",

@@ -15,7 +15,6 @@ what came back.  Adapters get copies of their inputs; a mutation is reported, no
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -51,50 +50,6 @@ class AdapterError(Exception):
 def _adapter_error(adapter: str, problem: str, key: str | None, expected: str | None,
                    got: str | None) -> AdapterError:
     return AdapterError(adapter, problem, key=key, expected=expected, got=got)
-
-
-def resolve(spec: str, kind: str) -> Callable[..., Any]:
-    """Turn a target spec (built-in name or ``module:attr``) into a callable of ``kind``."""
-    from ._kinds import KINDS  # the kind table (it imports this module, so not at the top)
-
-    if kind not in KINDS:
-        raise AdapterError(spec, f"unknown kind {kind!r}", expected=" or ".join(KINDS), got=kind)
-    if ":" not in spec:
-        own = KINDS[kind].builtins
-        if own is not None:  # a kind with its own built-ins (torch: the model zoo)
-            known = own()
-        else:
-            from ._registry import builtins  # only a built-in name loads the zoo
-
-            known = builtins()
-        impl = known.get(spec)
-        fn = None if impl is None else impl.adapter(kind)
-        if spec not in known:
-            raise AdapterError(spec, "cannot be resolved",
-                               expected="a built-in name (" + ", ".join(sorted(known))
-                               + ") or module:attr", got=repr(spec))
-        if fn is None:
-            raise AdapterError(spec, f"built-in has no {kind} form")
-        return fn
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # an import can fail in any way: report it as the adapter's
-        raise AdapterError(spec, f"module {module_name!r} cannot be imported",
-                           got=f"{type(exc).__name__}: {exc}") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise AdapterError(spec, f"module {module_name!r} has no attribute {attr!r}"
-                               ) from None
-        except Exception as exc:  # a module __getattr__ can raise anything
-            raise AdapterError(spec, f"looking up {attr!r} in {module_name!r} raised",
-                               got=f"{type(exc).__name__}: {exc}") from exc
-    if not callable(obj):
-        raise AdapterError(spec, "is not callable", got=type(obj).__name__)
-    return obj  # type: ignore[no-any-return]
 
 
 def to_numpy(value: Any) -> np.ndarray:

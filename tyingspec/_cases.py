@@ -159,8 +159,6 @@ def build(case: Case) -> Batch:
         targets = rng.integers(case.V, size=case.N).astype(np.int64)
     batch = Batch(E, W, b, tokens, targets, case.res, case.s_in, case.padding_idx)
     if case.ce:
-        from ._linear_ce_kind import with_ce
-
         batch = with_ce(batch, case, explicit=case.targets is not None)
     return batch
 
@@ -287,8 +285,6 @@ def ce_problem(text: str) -> str | None:
     part that is not ``key=value``, a key it does not know (``logit_scal=0.0625``, which would
     otherwise be dropped silently and the case run without the option), a key given twice,
     or a value of the wrong sort; None when it is usable."""
-    from ._linear_ce_kind import OPTION_NAMES
-
     known = [*OPTION_NAMES, *CE_BATCH_KEYS]
     seen: set[str] = set()
     for part in filter(None, text.split(",")):
@@ -427,3 +423,74 @@ def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
                                       np.unique(tokens).astype(np.int64), drawn, projected)
     return Paths(loss=0.0, dE_in=dE_in, dE_out=dE_out, dW=np.zeros((0, 0)), db=None,
                  per_position=rows, tokens=tokens, terms=terms, sketch=judged)
+
+
+# --- the linear-ce part of a case -------------------------------------------------------------
+# A case's ``ce`` string belongs to the case format every front end parses and replays, so its
+# options and draws live here, with the case; the linear-ce kind reads them from here.
+
+IGNORE_INDEX = -100
+#: The kernel options, as Liger's constructor names them (plus logit_scale).
+OPTION_NAMES = ("logit_scale", "softcap", "label_smoothing", "lse_square_scale", "ignore_index",
+                "reduction", "ce_weight")
+REDUCTION_VALUES: tuple[str, ...] = ("mean", "sum", "none")
+#: Tokens per chunk when a case ignores a whole chunk (a fused kernel's block is rarely 7).
+CHUNK = 7
+
+
+def ce_options(text: str) -> dict[str, str]:
+    """``"logit_scale=0.0625,ignored=0.25"`` as a dict (values as written)."""
+    out: dict[str, str] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"linear-ce option {part!r}: expected key=value")
+        out[key] = value
+    return out
+
+
+def drawn_ignore_index(case: Case) -> int:
+    """The case's ignore_index: as written (``ignore_index=-100``), a class of the vocabulary
+    (``ignore_index=vocab``, as a pad token id is), or, unset, either, from the case's seed.
+    Drawn so that a kernel that hard-codes -100 is caught; never another negative value, so
+    that every replayed target is in [0, V) or -100 (what ``tyingspec check --targets``
+    takes).  Its own stream: the case's other draws are those of the same case without it."""
+    value = ce_options(case.ce).get("ignore_index")
+    rng = np.random.default_rng([case.seed, 8])
+    if value is None:
+        value = "-100" if rng.random() < 0.5 else "vocab"
+    return int(rng.integers(case.V)) if value == "vocab" else int(value)
+
+
+def with_ce(batch: Batch, case: Case, *, explicit: bool) -> Batch:
+    """The batch's linear-ce draws: ignored targets (at the drawn ignore_index), class weights,
+    grad_output (their own stream from the case seed, so the other arrays are those of the
+    same case without them).  The batch's ``ce`` carries the ignore_index it was drawn with."""
+    opts = ce_options(case.ce)
+    rng = np.random.default_rng([case.seed, 7])
+    targets = batch.targets
+    N, V = targets.shape[0], batch.E.shape[0]
+    ce = case.ce
+    if "ignored" in opts or "ignore_index" in opts:
+        ignore_index = drawn_ignore_index(case)
+        ce = ",".join([f"{k}={v}" for k, v in opts.items() if k != "ignore_index"]
+                      + [f"ignore_index={ignore_index}"])
+    if "ignored" in opts and not explicit:
+        fraction = float(opts["ignored"])
+        targets = targets.copy()
+        ignored = np.zeros(N, dtype=bool)
+        if fraction > 0:
+            ignored[:min(CHUNK, N)] = True  # a whole chunk of ignored tokens
+            ignored |= rng.random(N) < fraction
+        if fraction >= 1:
+            ignored[:] = True
+        targets[ignored] = ignore_index
+    if opts.get("target") == "same" and not explicit:
+        targets = np.full_like(targets, targets[0])
+    dt = batch.E.dtype
+    weight = np.asarray(rng.uniform(0.5, 2.0, size=V), dtype=dt) \
+        if "ce_weight" in opts else None
+    grad_output = np.asarray(rng.normal(size=N) + 1.5, dtype=dt) \
+        if opts.get("reduction") == "none" else None
+    return replace(batch, targets=targets, ce=ce, ce_weight=weight,
+                   grad_output=grad_output)

@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _list() -> int:
+    from ._builtins import builtins
     from ._cases import standard_cases
     from ._kinds import KINDS
-    from ._registry import builtins
 
     print("built-in targets (name [kinds] what it breaks -> the label a check reaches):")
     known = list(builtins().values())
@@ -134,8 +134,8 @@ def _builtin_kind(target: str) -> str:
     that has it: model before kernel; a torch or linear-ce zoo name its zoo's), else model."""
     if ":" in target:
         return "model"
+    from ._builtins import builtins
     from ._kinds import KINDS
-    from ._registry import builtins
 
     impl = builtins().get(target)
     for name, spec in KINDS.items():

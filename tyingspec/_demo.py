@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._builtins import builtins
 from ._cases import Case, build, case_seed
 from ._check import CaseResult, run_case
 from ._engine import load
-from ._registry import builtins
 from ._render import exact_cell, rows_text
 
 #: (table label, built-in name) in the order of the write-up's table.

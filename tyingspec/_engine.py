@@ -30,11 +30,11 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from ._adapters import AdapterError, Returned, resolve
+from ._adapters import AdapterError, Returned
 from ._cases import PROBE_CASES, Batch, Case, at_shape, build, sgd_step
 from ._diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
 from ._isolation import DEFAULT_TIMEOUT, Worker
-from ._kinds import KINDS, Kind, KindSpec, fitting, kind_spec
+from ._kinds import KINDS, Kind, KindSpec, fitting, kind_spec, resolve
 from ._probe import Paths, closed_form_paths
 from ._tolerance import (
     LOWER,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from ._diagnosis import Label
+from ._labels import Label
 
 #: ``passed``; ``failed`` (the label says what is wrong); ``not_applicable`` (the model has no
 #: such feature, e.g. no ``resize_token_embeddings``; the detail says why).

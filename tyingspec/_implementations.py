@@ -71,7 +71,3 @@ def _dup_buffered(tokens: IntArray, dx: Array, h: Array, g: Array, V: int) -> Ar
     dE = g.T @ h
     dE[tokens] += dx  # the bug: repeated indices are applied once (last occurrence wins)
     return dE
-
-
-# The mutant zoo and the correct styles register themselves too, so REGISTRY has them all.
-from . import _mutants  # noqa: E402,F401

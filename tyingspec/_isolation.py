@@ -532,8 +532,8 @@ def _load_and_answer(conn: Connection, spec: str, kind: str, paths: tuple[str, .
     for path in reversed(paths):
         if path not in sys.path:
             sys.path.insert(0, path)
-    from ._adapters import AdapterError, resolve
-    from ._kinds import KINDS, fitting
+    from ._adapters import AdapterError
+    from ._kinds import KINDS, fitting, resolve
 
     table = KINDS[kind]  # type: ignore[index]
     try:
@@ -837,12 +837,19 @@ class _Process:
         self._popen.terminate()
 
 
+#: What ``python -c`` runs in the worker (:mod:`tyingspec._worker`, named here as a string so that
+#: this module does not import the worker's, which imports this one).  ``sys`` is built in: the
+#: parent's ``sys.path`` is in place before anything is imported from a path (the ``''`` that
+#: ``-c`` puts first is gone with it).
+BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[3:]; "
+             "from tyingspec._worker import main; main(sys.argv[1], sys.argv[2])")
+
+
 def _start(spec: str, kind: str, paths: tuple[str, ...]) -> tuple[_Process, Connection]:
     """Start a worker for ``spec`` (see :mod:`tyingspec._worker`) and return it with this
     process's end of the connection to it."""
     from multiprocessing import resource_tracker
 
-    from ._worker import BOOTSTRAP
 
     parent, child = multiprocessing.Pipe()  # a socket pair: the same channel spawn gave
     # the tracker of this process's shared blocks, which the worker registers its own with (as

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._adapters import AdapterError
+from ._builtins import builtins
 from ._cases import Case
 from ._kinds import KIND_NAMES
 from ._options import positive_int
 from ._options import seed as option_seed
-from ._registry import Implementation, builtins
+from ._registry import Implementation
 
 SCHEMA = "tyingspec.mutants/1"
 KINDS = KIND_NAMES

@@ -11,6 +11,7 @@ tests.
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from ._adapters import Returned, call_kernel, call_model, signature_problem
+from ._adapters import AdapterError, Returned, call_kernel, call_model, signature_problem
 from ._cases import Batch, Case, kernel_paths, model_reference, standard_cases
 from ._probe import Paths, forward_parts
 from ._registry import Implementation
@@ -257,3 +258,45 @@ def kind_spec(name: str) -> KindSpec:
         return KINDS[name]  # type: ignore[index]
     except KeyError:
         raise ValueError(f"unknown kind {name!r}; expected one of {', '.join(KINDS)}") from None
+
+
+def resolve(spec: str, kind: str) -> Callable[..., Any]:
+    """Turn a target spec (built-in name or ``module:attr``) into a callable of ``kind``."""
+    if kind not in KINDS:
+        raise AdapterError(spec, f"unknown kind {kind!r}", expected=" or ".join(KINDS), got=kind)
+    if ":" not in spec:
+        own = KINDS[kind].builtins
+        if own is not None:  # a kind with its own built-ins (torch: the model zoo)
+            known = own()
+        else:
+            from ._builtins import builtins  # only a built-in name loads the zoo
+
+            known = builtins()
+        impl = known.get(spec)
+        fn = None if impl is None else impl.adapter(kind)
+        if spec not in known:
+            raise AdapterError(spec, "cannot be resolved",
+                               expected="a built-in name (" + ", ".join(sorted(known))
+                               + ") or module:attr", got=repr(spec))
+        if fn is None:
+            raise AdapterError(spec, f"built-in has no {kind} form")
+        return fn
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import can fail in any way: report it as the adapter's
+        raise AdapterError(spec, f"module {module_name!r} cannot be imported",
+                           got=f"{type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AdapterError(spec, f"module {module_name!r} has no attribute {attr!r}"
+                               ) from None
+        except Exception as exc:  # a module __getattr__ can raise anything
+            raise AdapterError(spec, f"looking up {attr!r} in {module_name!r} raised",
+                               got=f"{type(exc).__name__}: {exc}") from exc
+    if not callable(obj):
+        raise AdapterError(spec, "is not callable", got=type(obj).__name__)
+    return obj  # type: ignore[no-any-return]

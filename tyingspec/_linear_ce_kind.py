@@ -17,34 +17,22 @@ from typing import Any
 import numpy as np
 
 from ._adapters import Returned
-from ._cases import Batch, Case, case_seed, working_dtype
+from ._cases import CHUNK as CHUNK
+from ._cases import IGNORE_INDEX as IGNORE_INDEX
+from ._cases import OPTION_NAMES as OPTION_NAMES
+from ._cases import REDUCTION_VALUES as REDUCTION_VALUES
+from ._cases import Batch, Case, case_seed, ce_options, working_dtype
+from ._cases import drawn_ignore_index as drawn_ignore_index
+from ._cases import with_ce as with_ce
 from ._diagnosis import Label
 from ._findings import Finding, failed, passed
 from ._linear_ce import VARIANTS, CEOptions, CEResult, linear_ce
 from ._probe import Array, IntArray, Paths, scatter_rows
 from ._tolerance import Terms, row_tolerance, value_tolerance
 
-IGNORE_INDEX = -100
-#: The kernel options, as Liger's constructor names them (plus logit_scale).
-OPTION_NAMES = ("logit_scale", "softcap", "label_smoothing", "lse_square_scale", "ignore_index",
-                "reduction", "ce_weight")
-REDUCTION_VALUES: tuple[str, ...] = ("mean", "sum", "none")
 #: What a kernel declares to be run on a case in a low precision (a torch class does: see
 #: ``tyingspec._linear_ce_adapter.supported``).
 LOW_PRECISIONS = ("dtype=bfloat16", "dtype=float16")
-#: Tokens per chunk when a case ignores a whole chunk (a fused kernel's block is rarely 7).
-CHUNK = 7
-
-
-def ce_options(text: str) -> dict[str, str]:
-    """``"logit_scale=0.0625,ignored=0.25"`` as a dict (values as written)."""
-    out: dict[str, str] = {}
-    for part in filter(None, text.split(",")):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise ValueError(f"linear-ce option {part!r}: expected key=value")
-        out[key] = value
-    return out
 
 
 def needed_options(case: Case) -> set[str]:
@@ -84,53 +72,6 @@ def restricted(case: Case, supported: Iterable[str]) -> Case:
     low = f"dtype={case.dtype}" in LOW_PRECISIONS and f"dtype={case.dtype}" not in have
     return replace(case, ce=",".join(kept), bias=case.bias and "bias" in have,
                    dtype="float32" if low else case.dtype)
-
-
-def drawn_ignore_index(case: Case) -> int:
-    """The case's ignore_index: as written (``ignore_index=-100``), a class of the vocabulary
-    (``ignore_index=vocab``, as a pad token id is), or, unset, either, from the case's seed.
-    Drawn so that a kernel that hard-codes -100 is caught; never another negative value, so
-    that every replayed target is in [0, V) or -100 (what ``tyingspec check --targets``
-    takes).  Its own stream: the case's other draws are those of the same case without it."""
-    value = ce_options(case.ce).get("ignore_index")
-    rng = np.random.default_rng([case.seed, 8])
-    if value is None:
-        value = "-100" if rng.random() < 0.5 else "vocab"
-    return int(rng.integers(case.V)) if value == "vocab" else int(value)
-
-
-def with_ce(batch: Batch, case: Case, *, explicit: bool) -> Batch:
-    """The batch's linear-ce draws: ignored targets (at the drawn ignore_index), class weights,
-    grad_output (their own stream from the case seed, so the other arrays are those of the
-    same case without them).  The batch's ``ce`` carries the ignore_index it was drawn with."""
-    opts = ce_options(case.ce)
-    rng = np.random.default_rng([case.seed, 7])
-    targets = batch.targets
-    N, V = targets.shape[0], batch.E.shape[0]
-    ce = case.ce
-    if "ignored" in opts or "ignore_index" in opts:
-        ignore_index = drawn_ignore_index(case)
-        ce = ",".join([f"{k}={v}" for k, v in opts.items() if k != "ignore_index"]
-                      + [f"ignore_index={ignore_index}"])
-    if "ignored" in opts and not explicit:
-        fraction = float(opts["ignored"])
-        targets = targets.copy()
-        ignored = np.zeros(N, dtype=bool)
-        if fraction > 0:
-            ignored[:min(CHUNK, N)] = True  # a whole chunk of ignored tokens
-            ignored |= rng.random(N) < fraction
-        if fraction >= 1:
-            ignored[:] = True
-        targets[ignored] = ignore_index
-    if opts.get("target") == "same" and not explicit:
-        targets = np.full_like(targets, targets[0])
-    dt = batch.E.dtype
-    weight = np.asarray(rng.uniform(0.5, 2.0, size=V), dtype=dt) \
-        if "ce_weight" in opts else None
-    grad_output = np.asarray(rng.normal(size=N) + 1.5, dtype=dt) \
-        if opts.get("reduction") == "none" else None
-    return replace(batch, targets=targets, ce=ce, ce_weight=weight,
-                   grad_output=grad_output)
 
 
 def options_of(batch: Batch) -> CEOptions:

@@ -309,17 +309,3 @@ _both("tied-sorted-segments",
       None, "correct", _sorted_segments, STYLE)
 register(Implementation("tied-float32", "float32 end to end (judged at float32)", None,
                         "correct", model=_f32_model, kernel=_f32_kernel, tags=(STYLE,)))
-
-
-def mutants() -> list[Implementation]:
-    """Every broken implementation in the registry (built-in variants and the zoo)."""
-    from ._registry import builtins
-
-    return [impl for impl in builtins().values() if not impl.correct]
-
-
-def styles() -> list[Implementation]:
-    """Every correct implementation in the registry (the built-in and the styles)."""
-    from ._registry import builtins
-
-    return [impl for impl in builtins().values() if impl.correct]

@@ -75,12 +75,3 @@ def register_combiner(
         return combine
 
     return deco
-
-
-
-
-def builtins() -> dict[str, Implementation]:
-    """Every built-in target (the correct ones, the broken variants and the mutant zoo)."""
-    from . import _implementations, _mutants  # noqa: F401  (importing registers them)
-
-    return REGISTRY

@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._check import CaseResult, CheckReport
 from ._files import atomic_write
 from ._render import (
     diagnosis_lines,
@@ -26,6 +25,9 @@ from ._render import (
     projected_text,
     rows_text,
 )
+
+if TYPE_CHECKING:  # annotations only: the check module renders through this one
+    from ._check import CaseResult, CheckReport
 
 __all__ = ["SCHEMA", "as_json", "exact_cell", "render", "render_case", "rows_text",
            "write_json"]

@@ -1,10 +1,11 @@
 """The worker process's entry point (see :mod:`tyingspec._isolation`).
 
-The parent starts ``python -c BOOTSTRAP CONN TRACKER PATH...``: the bootstrap's first act is to
-make the parent's ``sys.path`` its own (so that user modules, and a source checkout of
-tyingspec, import as they do in the parent), and only then does it import this module and call
-:func:`main`, which reads what to load from the parent and hands over to the worker's loop.
-Nothing imports the parent's ``__main__``: a user's script needs no ``__main__`` guard.
+The parent starts ``python -c BOOTSTRAP CONN TRACKER PATH...`` (``_isolation.BOOTSTRAP``): the
+bootstrap's first act is to make the parent's ``sys.path`` its own (so that user modules, and a
+source checkout of tyingspec, import as they do in the parent), and only then does it import
+this module and call :func:`main`, which reads what to load from the parent and hands over to
+the worker's loop.  Nothing imports the parent's ``__main__``: a user's script needs no
+``__main__`` guard.
 """
 
 from __future__ import annotations
@@ -12,11 +13,6 @@ from __future__ import annotations
 import faulthandler
 import sys
 from multiprocessing.connection import Connection
-
-#: What ``python -c`` runs.  ``sys`` is built in: the parent's ``sys.path`` is in place before
-#: anything is imported from a path (the ``''`` that ``-c`` puts first is gone with it).
-BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[3:]; "
-             "from tyingspec._worker import main; main(sys.argv[1], sys.argv[2])")
 
 
 def main(conn_fd: str, tracker_fd: str) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from .._builtins import REGISTRY
 from .._diagnosis import diagnose
-from .._implementations import REGISTRY
 from .._probe import closed_form_paths, loss_only
 from .._tolerance import Tolerance
 from ._common import (

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .._implementations import REGISTRY, untied_forward_backward
+from .._builtins import REGISTRY
+from .._implementations import untied_forward_backward
 from ._common import Progress, silent_progress
 
 F64 = NDArray[np.float64]

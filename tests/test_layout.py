@@ -1,0 +1,139 @@
+"""The package's imports, read with ``ast``: no import circle inside ``tyingspec``, and no kind's
+modules importing another kind's.
+
+An import is every ``import`` / ``from ... import`` the code can execute, at the top of a module
+or inside a function (a lazy import still makes the two modules load each other).  Imports under
+``if TYPE_CHECKING:`` are left out: they never run, and annotations are where two modules may
+name each other's types without loading each other.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tyingspec"
+
+#: each kind's modules, by the prefix they share (a kind lives in its own modules; the next
+#: step of the layout gives each its folder)
+KIND_PREFIXES = {"torch": "tyingspec._torch_", "linear-ce": "tyingspec._linear_ce"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _type_checking(node):
+            yield from (n for body in node.orelse for n in _imports_in(body))
+            continue
+        yield from _imports_in(node)
+
+
+def _imports_in(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    elif isinstance(node, ast.If) and _type_checking(node):
+        return
+    else:
+        for child in ast.iter_child_nodes(node):
+            yield from _imports_in(child)
+
+
+def graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (the package's own ``__init__`` left out: it
+    is the public surface, which loads its names lazily)."""
+    mods = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for name, f in mods.items():
+        package = name if f.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _imports(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
+                targets = targets or [base]
+            edges[name] |= {t for t in targets if t in mods and t not in (name, "tyingspec")}
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_has_no_import_circle() -> None:
+    found = circles(graph())
+    assert not found, "import circles:\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    # the test above must be able to fail: a lazy import back is a circle too
+    edges = graph()
+    edges["tyingspec._tolerance"] = edges["tyingspec._tolerance"] | {"tyingspec._diagnosis"}
+    assert any({"tyingspec._diagnosis", "tyingspec._tolerance"} <= set(c) for c in circles(edges))
+
+
+def test_a_lazy_import_counts_and_a_type_checking_one_does_not() -> None:
+    tree = ast.parse("from typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n    from ._a import A\n"
+                     "def f():\n    from ._b import B\n")
+    assert [n.module for n in _imports(tree) if isinstance(n, ast.ImportFrom)] == [
+        "typing", "_b"]
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_PREFIXES))
+def test_a_kind_imports_no_other_kinds_modules(kind: str) -> None:
+    edges = graph()
+    own = KIND_PREFIXES[kind]
+    others = [p for k, p in KIND_PREFIXES.items() if k != kind]
+    crossing = {(m, t) for m, ts in edges.items() if m.startswith(own)
+                for t in ts if any(t.startswith(p) for p in others)}
+    assert not crossing, sorted(crossing)

@@ -1,0 +1,29 @@
+"""The probe kinds' built-in targets, loaded: the registry (``tyingspec._registry``) filled by the
+correct implementations (``tyingspec._implementations``) and the mutant zoo
+(``tyingspec._mutants``).
+
+Registering is a side effect of importing those two modules, and both import the registry to
+register into; so the one place that imports all three for their contents is this module, above
+them, and nothing below it imports it back.
+"""
+
+from __future__ import annotations
+
+from . import _implementations, _mutants  # noqa: F401  (importing registers them)
+from ._registry import REGISTRY as REGISTRY
+from ._registry import Implementation
+
+
+def builtins() -> dict[str, Implementation]:
+    """Every built-in target (the correct ones, the broken variants and the mutant zoo)."""
+    return REGISTRY
+
+
+def mutants() -> list[Implementation]:
+    """Every broken implementation in the registry (built-in variants and the zoo)."""
+    return [impl for impl in REGISTRY.values() if not impl.correct]
+
+
+def styles() -> list[Implementation]:
+    """Every correct implementation in the registry (the built-in and the styles)."""
+    return [impl for impl in REGISTRY.values() if impl.correct]
