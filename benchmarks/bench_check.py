@@ -57,16 +57,16 @@ if str(REPO) not in sys.path:  # `python benchmarks/bench_check.py` as well as `
 
 from benchmarks.torch_probe import ADAPTERS, tied_f32  # noqa: E402
 from tyingspec import build, standard_cases  # noqa: E402
-from tyingspec._cases import Batch, at_shape  # noqa: E402
+from tyingspec._src.core.cases import Batch, at_shape  # noqa: E402
 
 MODULE = "benchmarks.torch_probe"
 BROKEN_TIMED = "input_path_dropped"
 
 
 def tyingspec_cmd() -> list[str]:
-    """The console script a user runs (``python -m tyingspec._cli`` if it is not on PATH)."""
+    """The console script a user runs (``python -m tyingspec`` if it is not on PATH)."""
     exe = shutil.which("tyingspec")
-    return [exe] if exe else [sys.executable, "-m", "tyingspec._cli"]
+    return [exe] if exe else [sys.executable, "-m", "tyingspec"]
 
 
 def check_argv(target: str, shape: tuple[int, int, int], case: str, precision: str,
@@ -227,7 +227,7 @@ def twice_args(shape: tuple[int, int, int]) -> list[str]:
     exactly one token seen twice, every other token once."""
     from dataclasses import replace
 
-    from tyingspec._cases import at_shape, build, standard_cases
+    from tyingspec._src.core.cases import at_shape, build, standard_cases
 
     V, d, N = shape
     base = [c for c in standard_cases(0) if c.name == "absent-tokens"]

@@ -12,7 +12,7 @@ import argparse
 import time
 
 from tyingspec import Case, build, closed_form_paths, diagnose
-from tyingspec._builtins import REGISTRY
+from tyingspec._src.kinds.probe.builtins import REGISTRY
 
 
 def _best(f, repeats: int) -> tuple[float, object]:  # type: ignore[no-untyped-def]

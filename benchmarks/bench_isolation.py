@@ -5,7 +5,7 @@
 
 For a model adapter (tyingspec's built-in ``untied-sum``, loaded as ``module:attr`` so it takes
 the isolated path) it times, interleaved over ``--repeats`` rounds, ``--calls`` calls of
-``tyingspec._engine.call`` in-process and through the worker, at a property-sized batch
+``tyingspec._src.engine.observe.call`` in-process and through the worker, at a property-sized batch
 (V=32, d=8, N=12) and at a larger one (V=4096, d=256, N=512), and prints the per-call median,
 min and max and the difference (the isolation's cost: pickling the inputs and outputs through
 a pipe).  It also times starting the worker (a fresh interpreter, imports).
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from tyingspec import Case, build, load
-from tyingspec._cases import Batch, at_shape, sgd_step, standard_cases
-from tyingspec._engine import SECOND_CALL_POSITIONS, Target, call
+from tyingspec._src.core.cases import Batch, at_shape, sgd_step, standard_cases
+from tyingspec._src.engine.observe import SECOND_CALL_POSITIONS, Target, call
 
 
 def _per_call(target: Target, case: Case, calls: int) -> float:
@@ -134,7 +134,8 @@ def main() -> None:
         _gpt2(a.gpt2_repeats)
     if a.skip_small:
         return
-    spec = "tyingspec._implementations:_untied_sum"  # a correct model adapter, by module:attr
+    # a correct model adapter, by module:attr
+    spec = "tyingspec._src.kinds.probe.implementations:_untied_sum"
     starts: list[float] = []
     t0 = time.perf_counter()
     isolated = load(spec, "model")

@@ -33,17 +33,17 @@ if str(REPO) not in sys.path:
 
 def tyingspec_cmd() -> list[str]:
     exe = shutil.which("tyingspec")
-    return [exe] if exe else [sys.executable, "-m", "tyingspec._cli"]
+    return [exe] if exe else [sys.executable, "-m", "tyingspec"]
 
 
 def one_call(shape: tuple[int, int, int]) -> object:
     """A zero-argument callable running the kernel once on the case's inputs."""
     from dataclasses import replace
 
-    from tyingspec._cases import at_shape, build
-    from tyingspec._linear_ce_adapter import call_linear_ce
-    from tyingspec._linear_ce_kind import inputs, standard_ce_cases
-    from tyingspec._linear_ce_zoo import ce_torch
+    from tyingspec._src.core.cases import at_shape, build
+    from tyingspec._src.kinds.linear_ce.adapter import call_linear_ce
+    from tyingspec._src.kinds.linear_ce.kind import inputs, standard_ce_cases
+    from tyingspec._src.kinds.linear_ce.zoo import ce_torch
 
     case = next(c for c in standard_ce_cases(0) if c.name == "ce-plain")
     (case,), _ = at_shape([case], *shape)

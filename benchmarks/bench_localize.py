@@ -8,7 +8,7 @@ Run from the repository root::
 For each V and k in (0, 1, 4) wrong rows it builds a probe-model batch (float64, E ~ N(0, 1),
 ``--N`` tokens drawn from ``N / 2`` ids so tokens repeat), breaks k rows of the closed-form
 gradient by a relative error of 1e-4 of the row's norm (rows of ordinary size: at least 1e-3 of
-the largest row), and runs :func:`tyingspec._localize.localize` once per seed.  It prints the
+the largest row), and runs :func:`core.localize.localize` once per seed.  It prints the
 loss evaluations used (min / median / max over seeds), the directional tests, whether the rows
 found were exactly the rows broken, the wall time of one localisation (median) and, side by
 side, ``2 V d``: the evaluations a full central-difference Jacobian would need.
@@ -29,8 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/bench_localize.py` as well as `python -m`
     sys.path.insert(0, str(REPO))
 
-from tyingspec._localize import localize  # noqa: E402
-from tyingspec._probe import closed_form_paths, loss_only  # noqa: E402
+from tyingspec._src.core.localize import localize  # noqa: E402
+from tyingspec._src.core.paths import closed_form_paths, loss_only  # noqa: E402
 
 
 def one(V: int, d: int, N: int, k: int, seed: int) -> tuple[int, int, bool, float]:

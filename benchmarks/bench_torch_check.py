@@ -41,7 +41,7 @@ if str(REPO) not in sys.path:
 STEP = """
 import time, torch
 torch.set_num_threads(1)
-from tyingspec._torch_zoo import gpt2
+from tyingspec._src.kinds.torch.zoo import gpt2
 torch.manual_seed(0)
 m = gpt2()
 opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -57,7 +57,7 @@ s = time.perf_counter(); step(); print(time.perf_counter() - s)
 
 def tyingspec_cmd() -> list[str]:
     exe = shutil.which("tyingspec")
-    return [exe] if exe else [sys.executable, "-m", "tyingspec._cli"]
+    return [exe] if exe else [sys.executable, "-m", "tyingspec"]
 
 
 def timed(argv: list[str]) -> tuple[float, subprocess.CompletedProcess[str]]:
@@ -91,21 +91,21 @@ def part_timing(repeats: int) -> None:
 def part_localisation() -> None:
     import torch
 
-    from tyingspec._cases import Case
-    from tyingspec._engine import load, observe
-    from tyingspec._torch_zoo import _nano
+    from tyingspec._src.core.cases import Case
+    from tyingspec._src.engine.observe import load, observe
+    from tyingspec._src.kinds.torch.zoo import _nano
 
     torch.set_num_threads(1)
     print("localisation: nanogpt-embedding-no-accumulate, one batch of 16 tokens with 4 "
           "repeated")
     print(f"  {'V':>6} {'d':>3} {'V*d':>9} {'forward evals':>14} {'rows found':>11} "
           f"{'repeated rows':>14} {'seconds':>8}")
-    import tyingspec._torch_zoo as zoo
+    import tyingspec._src.kinds.torch.zoo as zoo
 
     for V in (64, 512, 4096, 32768):
         name = f"_bench_no_accumulate_{V}"
         setattr(zoo, name, lambda V=V: _nano("EmbeddingNoAccumulate", vocab_size=V))
-        target = load(f"tyingspec._torch_zoo:{name}", "torch", isolate=False)
+        target = load(f"tyingspec._src.kinds.torch.zoo:{name}", "torch", isolate=False)
         case = Case(name="bench", V=V, d=16, N=16, seed=1, composition="repeats", distinct=4,
                     probe=False)
         start = time.perf_counter()

@@ -11,7 +11,7 @@ Use them directly::
     given(prop.strategy())(lambda case: prop.check(target, case))()
 
 Every property's docstring (``PROPERTIES[name].doc``) states its invariant.  ``cases`` is the
-strategy they draw from (see :mod:`tyingspec._strategies`); ``SIGNATURES`` are the mutant zoo's
+strategy they draw from (see :mod:`core.strategies`); ``SIGNATURES`` are the mutant zoo's
 fingerprints, for tyingspec's own power tests (not user-facing properties).
 """
 
@@ -29,7 +29,7 @@ from . import _kernel  # noqa: F401
 from . import _torch  # noqa: F401  (imports no torch: the call does, in the worker)
 from . import _linear_ce  # noqa: F401
 # isort: on
-from tyingspec._strategies import cases, compositions
+from tyingspec._src.core.strategies import cases, compositions
 
 from ._core import (
     PROPERTIES,

@@ -6,9 +6,17 @@ from itertools import pairwise
 
 import numpy as np
 
-from tyingspec._cases import Case
-from tyingspec._engine import Target, agree, batch_for, call, judge, precision_for, reference
-from tyingspec._strategies import cases
+from tyingspec._src.core.cases import Case
+from tyingspec._src.core.strategies import cases
+from tyingspec._src.engine.observe import (
+    Target,
+    agree,
+    batch_for,
+    call,
+    judge,
+    precision_for,
+    reference,
+)
 
 from ._common import seeded
 from ._core import PropertyFailure, register, require_power

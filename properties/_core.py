@@ -17,10 +17,10 @@ from hypothesis import assume, currently_in_test_context, event
 from hypothesis import strategies as st
 from hypothesis.errors import UnsatisfiedAssumption
 
-from tyingspec._cases import Case
-from tyingspec._diagnosis import Diagnosis
-from tyingspec._engine import Observation, Target
-from tyingspec._render import batch_lines, diagnosis_lines
+from tyingspec._src.core.cases import Case
+from tyingspec._src.core.diagnosis import Diagnosis
+from tyingspec._src.core.render import batch_lines, diagnosis_lines
+from tyingspec._src.engine.observe import Observation, Target
 
 #: A property's check: raises PropertyFailure when the invariant is broken for ``target`` on
 #: ``case``, AdapterError when the adapter misbehaves, discards a powerless example.
@@ -64,7 +64,7 @@ class Property:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The kinds whose entry in the kind table lists this property."""
-        from tyingspec._kinds import KINDS
+        from tyingspec._src.kinds.table import KINDS
 
         return tuple(k for k, spec in KINDS.items() if self.name in spec.properties)
 
@@ -122,7 +122,7 @@ def discard(reason: str) -> NoReturn:
 
 def for_kind(kind: str) -> list[Property]:
     """The properties that apply to ``kind``, as its entry in the kind table lists them."""
-    from tyingspec._kinds import kind_spec
+    from tyingspec._src.kinds.table import kind_spec
 
     return [PROPERTIES[name] for name in kind_spec(kind).properties]
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tyingspec._adapters import Returned
-from tyingspec._cases import Case
-from tyingspec._engine import (
+from tyingspec._src.core.adapters import Returned
+from tyingspec._src.core.cases import Case
+from tyingspec._src.core.strategies import cases
+from tyingspec._src.engine.observe import (
     Target,
     agree,
     batch_for,
@@ -16,7 +17,6 @@ from tyingspec._engine import (
     precision_for,
     reference,
 )
-from tyingspec._strategies import cases
 
 from ._core import PropertyFailure, register
 

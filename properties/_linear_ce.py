@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from tyingspec._cases import Case
-from tyingspec._engine import Observation, Target, described, observe, runnable
-from tyingspec._linear_ce_kind import restricted
+from tyingspec._src.core.cases import Case
+from tyingspec._src.engine.observe import Observation, Target, described, observe, runnable
+from tyingspec._src.kinds.linear_ce.kind import restricted
 
 from ._core import PropertyFailure, discard, register, require_rows
 

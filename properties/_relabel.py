@@ -6,8 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from tyingspec._cases import Batch, Case
-from tyingspec._engine import (
+from tyingspec._src.core.cases import Batch, Case
+from tyingspec._src.core.strategies import cases
+from tyingspec._src.engine.observe import (
     Target,
     agree,
     batch_for,
@@ -16,7 +17,6 @@ from tyingspec._engine import (
     precision_for,
     reference,
 )
-from tyingspec._strategies import cases
 
 from ._common import rows_text, seeded
 from ._core import PropertyFailure, register, require_power

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tyingspec._cases import Case
-from tyingspec._engine import Target, first_call, row_bound
-from tyingspec._strategies import LEAVING_ROWS_ABSENT, REPEATING, cases
+from tyingspec._src.core.cases import Case
+from tyingspec._src.core.strategies import LEAVING_ROWS_ABSENT, REPEATING, cases
+from tyingspec._src.engine.observe import Target, first_call, row_bound
 
 from ._common import rows_text
 from ._core import PropertyFailure, discard, register

@@ -6,7 +6,7 @@ power tests.  Each one says more than "the suite catches this mutant": it says *
 shows, e.g. that dropping the input path leaves every absent row exact and every present row
 wrong, or that a buffered scatter is wrong on exactly the rows of repeated tokens.
 
-Every call, reference, precision and bound comes from :mod:`tyingspec._engine`, so a fingerprint
+Every call, reference, precision and bound comes from :mod:`engine.observe`, so a fingerprint
 checks the verdict ``tyingspec check`` and the properties reach, not a verdict of its own.
 
 Most fingerprints have one form: the mutant's dE equals a stated combination of the reference's
@@ -26,10 +26,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 from hypothesis import strategies as st
 
-from tyingspec._builtins import builtins
-from tyingspec._cases import Batch, Case, sgd_step
-from tyingspec._diagnosis import Diagnosis, diagnose, misrouted_input_fits
-from tyingspec._engine import (
+from tyingspec._src.core.cases import Batch, Case, sgd_step
+from tyingspec._src.core.diagnosis import Diagnosis, diagnose, misrouted_input_fits
+from tyingspec._src.core.paths import Array, Paths, closed_form_paths, forward_parts, scatter_rows
+from tyingspec._src.core.render import batch_lines, diagnosis_lines
+from tyingspec._src.core.strategies import LEAVING_ROWS_ABSENT, REPEATING, cases
+from tyingspec._src.core.tolerance import LOWER, Precision, Tolerance
+from tyingspec._src.engine.observe import (
     AFTER_STEP,
     FIRST_CALL,
     SECOND_CALL_POSITIONS,
@@ -45,12 +48,9 @@ from tyingspec._engine import (
     reference,
     row_bound,
 )
-from tyingspec._kinds import KIND_NAMES, Kind
-from tyingspec._mutants import LOGIT_SCALE, reset_state
-from tyingspec._probe import Array, Paths, closed_form_paths, forward_parts, scatter_rows
-from tyingspec._render import batch_lines, diagnosis_lines
-from tyingspec._strategies import LEAVING_ROWS_ABSENT, REPEATING, cases
-from tyingspec._tolerance import LOWER, Precision, Tolerance
+from tyingspec._src.kinds.probe.builtins import builtins
+from tyingspec._src.kinds.probe.mutants import LOGIT_SCALE, reset_state
+from tyingspec._src.kinds.table import KIND_NAMES, Kind
 
 from ._common import rows_text
 from ._core import discard, require_power
@@ -218,7 +218,7 @@ def _fixed(*labels: str) -> Labels:
 def _scaled_or_weak() -> Labels:
     """``path_scaled``, or the row pattern's label on an example with fewer than three wrong
     entries, where a factor that is not a simple number is no evidence of a scale (see
-    ``tyingspec._diagnosis._one_factor``)."""
+    ``core.diagnosis._one_factor``)."""
     def labels(o: Observation) -> set[str]:
         wrong = ~row_bound(o.paths, o.precision).close(
             np.asarray(o.returned.dE, np.float64), _f64(o.paths.dE))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tyingspec._cases import SGD_STEP, Case
-from tyingspec._engine import AFTER_STEP, Target, observe
-from tyingspec._strategies import cases
+from tyingspec._src.core.cases import SGD_STEP, Case
+from tyingspec._src.core.strategies import cases
+from tyingspec._src.engine.observe import AFTER_STEP, Target, observe
 
 from ._core import PropertyFailure, register
 

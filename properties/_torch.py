@@ -12,15 +12,15 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from tyingspec._cases import Case
-from tyingspec._engine import Observation, Target, observe, own_case
-from tyingspec._findings import Finding
-from tyingspec._strategies import cases
+from tyingspec._src.core.cases import Case
+from tyingspec._src.core.findings import Finding
+from tyingspec._src.core.strategies import cases
+from tyingspec._src.engine.observe import Observation, Target, observe, own_case
 
 from ._core import PropertyFailure, register, require_power, require_rows
 
 #: The torch adapter's finding for the rows by path (``not_applicable``: a use of the tied
-#: weight cannot be observed, see tyingspec._torch_adapter).
+#: weight cannot be observed, see kinds.torch.adapter).
 BY_PATH = "gradient by path"
 
 #: Compositions a model's fixed shape can always hold (N may exceed V: no "distinct" there).

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from tyingspec import KINDS, AdapterError, Case, build, load, resolve
-from tyingspec._adapters import call_kernel, call_model
-from tyingspec._isolation import SHARE_ABOVE
+from tyingspec._src.core.adapters import call_kernel, call_model
+from tyingspec._src.engine.isolation import SHARE_ABOVE
 
 B = build(Case("a", V=6, d=3, N=5, seed=1, composition="repeats"))
 INPUTS = KINDS["model"].inputs(B)
 
 
 def _good(E, W, b, tokens, targets, *, res, s_in):  # type: ignore[no-untyped-def]
-    from tyingspec._builtins import REGISTRY
+    from tyingspec._src.kinds.probe.builtins import REGISTRY
 
     return REGISTRY["tied"].model(E, W, b, tokens, targets, res=res, s_in=s_in)
 
@@ -91,7 +91,7 @@ def test_mutating_adapter_is_reported_and_callers_arrays_stay_untouched() -> Non
 
 
 WRITERS = """
-from tyingspec._builtins import REGISTRY
+from tyingspec._src.kinds.probe.builtins import REGISTRY
 
 def _good(E, W, b, tokens, targets, *, res, s_in):
     return REGISTRY["tied"].model(E, W, b, tokens, targets, res=res, s_in=s_in)
@@ -124,7 +124,7 @@ def writes_minus_zero_over_zero(E, W, b, tokens, targets, *, res, s_in):
     return out
 
 def in_bfloat16(E, W, b, tokens, targets, *, res, s_in):
-    from tyingspec._tolerance import numpy_dtype
+    from tyingspec._src.core.tolerance import numpy_dtype
     out = dict(_good(E, W, b, tokens, targets, res=res, s_in=s_in))
     out["dE"] = out["dE"].astype(numpy_dtype("bfloat16"))
     return out
@@ -135,7 +135,7 @@ def in_bfloat16(E, W, b, tokens, targets, *, res, s_in):
     ("clean", ()), ("writes_E", ("E",)), ("writes_E_and_tokens", ("E", "tokens"))])
 def test_a_worker_target_writing_into_a_shared_input_is_reported_and_the_callers_arrays_stay(
         tmp_path, attr: str, mutated: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
-    from tyingspec._engine import call, observe
+    from tyingspec._src.engine.observe import call, observe
 
     (tmp_path / "writers.py").write_text(WRITERS)
     case = Case("big", V=1024, d=256, N=16, seed=3)
@@ -159,7 +159,7 @@ def test_a_worker_target_writing_into_a_shared_input_is_reported_and_the_callers
 
 def test_a_write_of_equal_value_into_a_shared_input_is_reported(
         tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tyingspec._engine import call
+    from tyingspec._src.engine.observe import call
 
     (tmp_path / "writers.py").write_text(WRITERS)
     batch = build(Case("big", V=1024, d=256, N=16, seed=3))
@@ -173,7 +173,7 @@ def test_a_write_of_equal_value_into_a_shared_input_is_reported(
 
 
 KEEPERS = """
-from tyingspec._implementations import untied_forward_backward
+from tyingspec._src.kinds.probe.implementations import untied_forward_backward
 
 _kept = {}
 
@@ -197,7 +197,7 @@ def test_an_input_the_worker_target_keeps_stays_its_own_copy_as_in_process(
         tmp_path, monkeypatch, attr: str) -> None:  # type: ignore[no-untyped-def]
     import uuid
 
-    from tyingspec._engine import observe
+    from tyingspec._src.engine.observe import observe
 
     module = f"keepers_{uuid.uuid4().hex}"  # in-process state of its own
     (tmp_path / f"{module}.py").write_text(KEEPERS)
@@ -255,7 +255,7 @@ def test_a_large_dE_comes_back_bit_for_bit_and_its_block_is_gone(
 
 def test_a_large_bfloat16_dE_comes_back_as_bfloat16_bit_for_bit(
         tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tyingspec._tolerance import numpy_dtype
+    from tyingspec._src.core.tolerance import numpy_dtype
 
     (tmp_path / "writers.py").write_text(WRITERS)
     batch = build(Case("big", V=1024, d=512, N=16, seed=3))
@@ -300,7 +300,7 @@ def test_a_worker_that_dies_in_a_large_call_leaves_no_shared_memory(
 
 
 def test_a_finite_array_whose_float32_sum_overflows_passes_validation() -> None:
-    from tyingspec._adapters import validate_array
+    from tyingspec._src.core.adapters import validate_array
 
     a = np.full((4, 3), 3e38, dtype=np.float32)
     a[1, 2] = -1.0
@@ -314,8 +314,8 @@ def test_a_finite_array_whose_float32_sum_overflows_passes_validation() -> None:
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_a_nan_or_inf_anywhere_is_reported_with_its_count_and_first_place(
         dtype: str, where: tuple[int, int], bad: float) -> None:
-    from tyingspec._adapters import validate_array
-    from tyingspec._tolerance import numpy_dtype
+    from tyingspec._src.core.adapters import validate_array
+    from tyingspec._src.core.tolerance import numpy_dtype
 
     a = np.ones((5, 3), dtype=numpy_dtype(dtype))  # type: ignore[arg-type]
     a[where] = bad
@@ -326,7 +326,7 @@ def test_a_nan_or_inf_anywhere_is_reported_with_its_count_and_first_place(
 
 
 def test_an_inf_and_a_minus_inf_are_both_counted() -> None:
-    from tyingspec._adapters import validate_array
+    from tyingspec._src.core.adapters import validate_array
 
     a = np.zeros((2, 3), dtype=np.float32)
     a[1, 0], a[0, 2] = np.inf, -np.inf  # their sum is NaN, not inf: still caught
@@ -356,8 +356,8 @@ def test_resolving_a_user_adapter_does_not_load_the_mutant_zoo(tmp_path) -> None
     (tmp_path / "user_adapter.py").write_text("def f(E, W, b, tokens, targets, *, res, s_in):\n"
                                               "    return {}\n")
     code = ("import sys; from tyingspec import load; load('user_adapter:f', 'model'); "
-            "print('tyingspec._mutants' in sys.modules, 'tyingspec._implementations' in "
-            "sys.modules)")
+            "print('tyingspec._src.kinds.probe.mutants' in sys.modules, "
+            "'tyingspec._src.kinds.probe.implementations' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, check=True, env={"PYTHONPATH": str(tmp_path)})
     assert out.stdout.split() == ["False", "False"], out

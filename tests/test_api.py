@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import tyingspec
-from tyingspec._kinds import kind_spec
+from tyingspec._src.kinds.table import kind_spec
 
 
 def test_check_returns_a_report_that_is_ok_for_a_correct_implementation() -> None:

@@ -15,7 +15,7 @@ import pytest
 
 ADAPTERS = textwrap.dedent('''
     import os, sys, time
-    from tyingspec._builtins import REGISTRY
+    from tyingspec._src.kinds.probe.builtins import REGISTRY
     _good = REGISTRY["tied"].model
 
     def ok(E, W, b, tokens, targets, *, res, s_in):
@@ -201,7 +201,7 @@ def test_a_first_baseline_run_whose_target_cannot_load_records_nothing(repo: Pat
 
 
 def test_seeds_keep_all_their_bits(repo: Path) -> None:
-    from tyingspec._cases import case_seed
+    from tyingspec._src.core.cases import case_seed
 
     assert case_seed(2**70, "absent-tokens") != case_seed(0, "absent-tokens")
     assert case_seed(2**70, "absent-tokens") != case_seed(2**70 + 1, "absent-tokens")
@@ -255,7 +255,7 @@ def test_a_failed_report_write_keeps_the_previous_report_and_exits_2(
     import errno
 
     from tyingspec import _files
-    from tyingspec._cli import main
+    from tyingspec._src.front.cli import main
 
     report = tmp_path / "r.json"
     assert main(["check", "tied", *ONE, "--json", str(report)]) == 0
@@ -274,7 +274,7 @@ def test_a_failed_report_write_keeps_the_previous_report_and_exits_2(
 
 
 def test_two_first_runs_cannot_both_record_a_baseline(tmp_path: Path) -> None:
-    from tyingspec._baseline import Baseline, gate
+    from tyingspec._src.front.baseline import Baseline, gate
 
     path = str(tmp_path / "b.json")
     first = Baseline("case", "t", "model", {"a": "passed"})

@@ -63,7 +63,7 @@ def repo(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def run(repo: Path, argv: list[str], block: str = "", *, module: str = "tyingspec._cli",
+def run(repo: Path, argv: list[str], block: str = "", *, module: str = "tyingspec._src.front.cli",
         timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``python -m MODULE ARGV`` in ``repo``, the packages in ``block`` (comma-separated)
     missing."""
@@ -251,7 +251,7 @@ def test_a_replay_as_printed_still_runs(repo: Path) -> None:
 
 def test_a_blocked_torch_module_is_a_usage_error_in_process(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from tyingspec._cli import main
+    from tyingspec._src.front.cli import main
 
     monkeypatch.setitem(sys.modules, "torch", None)
     assert main(["check", "nanogpt", "--kind", "torch"]) == 2
@@ -261,7 +261,7 @@ def test_a_blocked_torch_module_is_a_usage_error_in_process(
 def test_a_module_not_found_below_is_mapped_to_its_extra(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from tyingspec import _check
-    from tyingspec._cli import main
+    from tyingspec._src.front.cli import main
 
     def needs_matplotlib(*args: object, **kwargs: object) -> object:
         raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
@@ -282,7 +282,7 @@ def test_an_internal_error_exits_2_with_the_message_then_the_traceback(
         exc: Exception) -> None:
     # it was exit 1, which says "a gradient is wrong"
     from tyingspec import _check
-    from tyingspec._cli import main
+    from tyingspec._src.front.cli import main
 
     def bug(*args: object, **kwargs: object) -> object:
         raise exc
@@ -298,7 +298,7 @@ def test_an_internal_error_exits_2_with_the_message_then_the_traceback(
 def test_out_of_memory_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     from tyingspec import _check
-    from tyingspec._cli import main
+    from tyingspec._src.front.cli import main
 
     def huge(*args: object, **kwargs: object) -> object:
         raise MemoryError("Unable to allocate 5.59 TiB")
@@ -316,7 +316,7 @@ def test_out_of_memory_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
     ("MemAvailable: 1000 B\n", 1000),
 ])
 def test_available_memory_reads_meminfo(tmp_path: Path, text: str, expected: int) -> None:
-    from tyingspec._options import available_memory
+    from tyingspec._src.core.options import available_memory
 
     (tmp_path / "meminfo").write_text(text)
     assert available_memory(str(tmp_path / "meminfo")) == expected
@@ -338,7 +338,7 @@ def test_available_memory_falls_back_without_meminfo(tmp_path: Path,
 
 
 def test_an_unknown_memory_refuses_nothing_and_gpt2_size_fits_here() -> None:
-    from tyingspec._cases import bytes_needed, memory_problem
+    from tyingspec._src.core.cases import bytes_needed, memory_problem
 
     assert memory_problem(10**9, 768, 1024, None) is None
     assert memory_problem(50257, 768, 1024, 8 << 30) is None  # about 3 GiB
@@ -346,8 +346,8 @@ def test_an_unknown_memory_refuses_nothing_and_gpt2_size_fits_here() -> None:
 
 
 def test_every_kernel_option_is_a_known_replay_key() -> None:
-    from tyingspec._cases import ce_problem
-    from tyingspec._linear_ce_kind import OPTION_NAMES
+    from tyingspec._src.core.cases import ce_problem
+    from tyingspec._src.kinds.linear_ce.kind import OPTION_NAMES
 
     words = {"reduction": "sum", "ce_weight": "drawn", "ignore_index": "-100"}
     for name in OPTION_NAMES:

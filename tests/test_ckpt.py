@@ -15,12 +15,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file, save_model
 
-from tyingspec._ckpt import load
-from tyingspec._cli import main
-from tyingspec._torch_zoo import gpt2, nanogpt
+from tyingspec._src.ckpt.checkpoint import load
+from tyingspec._src.front.cli import main
+from tyingspec._src.kinds.torch.zoo import gpt2, nanogpt
 
 EMB, HEAD = "transformer.wte.weight", "lm_head.weight"
-FACTORY = "tyingspec._torch_zoo:nanogpt"
+FACTORY = "tyingspec._src.kinds.torch.zoo:nanogpt"
 
 
 def _close(a: float, b: float, atol: float, rtol: float) -> bool:

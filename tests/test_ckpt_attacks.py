@@ -24,9 +24,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file, save_model
 
-from tyingspec._ckpt import _same_storage, load
-from tyingspec._cli import main
-from tyingspec._torch_zoo import nanogpt
+from tyingspec._src.ckpt.checkpoint import _same_storage, load
+from tyingspec._src.front.cli import main
+from tyingspec._src.kinds.torch.zoo import nanogpt
 
 EMB, HEAD = "transformer.wte.weight", "lm_head.weight"
 
@@ -92,7 +92,7 @@ def f(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "fac.py").write_text(textwrap.dedent("""
         import sys
         import torch
-        from tyingspec._torch_zoo import nanogpt
+        from tyingspec._src.kinds.torch.zoo import nanogpt
         def boom(): raise ValueError("no weights here")
         def leave(): sys.exit(0)
         def leave3(): sys.exit(3)
@@ -300,7 +300,7 @@ def slow(tensors, filename, metadata=None):
     print("written", filename, flush=True)
     time.sleep(120)
 st.save_file = slow
-from tyingspec._cli import main
+from tyingspec._src.front.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -431,7 +431,7 @@ def test_out_to_a_pipe_is_a_stream(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_json_to_dev_stdout(tmp_path: Path, f: dict[str, str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tyingspec._cli", "ckpt", "inspect",
+    proc = subprocess.run([sys.executable, "-m", "tyingspec", "ckpt", "inspect",
                            f["diff.safetensors"], "--json", "/dev/stdout"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -512,7 +512,7 @@ FILE_LIMIT = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit is EFBIG, not a kill
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
-from tyingspec._cli import main
+from tyingspec._src.front.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

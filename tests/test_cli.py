@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tyingspec._cli import main
+from tyingspec._src.front.cli import main
 
 WRITE_UP_TABLE = """\
 | gradient into E | wrong rows | rows still exactly right |
@@ -141,7 +141,7 @@ def test_module_targets_are_found_from_the_current_directory(
         capsys: pytest.CaptureFixture[str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "cwd_adapter_mod.py").write_text(
-        "from tyingspec._builtins import REGISTRY\nf = REGISTRY['tied'].model\n")
+        "from tyingspec._src.kinds.probe.builtins import REGISTRY\nf = REGISTRY['tied'].model\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     code, out = _run(capsys, "check", "cwd_adapter_mod:f")
@@ -152,7 +152,7 @@ def test_module_targets_are_found_from_the_current_directory(
 @pytest.mark.parametrize("name", ["copy-tie", "grad-not-zeroed"])
 def test_bugs_that_only_show_after_a_step_are_caught_on_the_second_call(
         capsys: pytest.CaptureFixture[str], name: str) -> None:
-    from tyingspec._mutants import reset_state
+    from tyingspec._src.kinds.probe.mutants import reset_state
 
     reset_state()
     code, out = _run(capsys, "check", name, "--case", "absent-tokens")

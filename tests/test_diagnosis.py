@@ -80,7 +80,7 @@ def test_float32_implementation_is_judged_with_float32_tolerances() -> None:
 
 
 def test_row_bound_scales_with_the_precision_and_each_rows_own_arithmetic() -> None:
-    from tyingspec._tolerance import UNIT_ROUNDOFF, row_tolerance
+    from tyingspec._src.core.tolerance import UNIT_ROUNDOFF, row_tolerance
 
     _, paths = _paths(POWERFUL[1])
     assert paths.terms is not None

@@ -13,11 +13,11 @@ from tyingspec.properties import PROPERTIES, PropertyFailure
 
 import tyingspec
 from tyingspec import KINDS, LABELS, load, standard_cases
-from tyingspec._builtins import builtins
-from tyingspec._check import check_target
-from tyingspec._cli import main
-from tyingspec._diagnosis import Label
-from tyingspec._mutants import reset_state
+from tyingspec._src.core.diagnosis import Label
+from tyingspec._src.front.check import check_target
+from tyingspec._src.front.cli import main
+from tyingspec._src.kinds.probe.builtins import builtins
+from tyingspec._src.kinds.probe.mutants import reset_state
 
 FORMS = [(name, kind) for name, impl in builtins().items() for kind in KINDS
          if impl.adapter(kind) is not None]
@@ -71,7 +71,9 @@ def test_the_public_surface_is_exactly_all() -> None:
 def test_every_kind_lists_only_registered_properties() -> None:
     for spec in KINDS.values():
         assert set(spec.properties) <= set(PROPERTIES), spec.name
-    from tyingspec._plugin import KINDS as PLUGIN_KINDS  # the plugin's copy, kept stdlib-only
+    from tyingspec._src.front.plugin import (
+        KINDS as PLUGIN_KINDS,  # the plugin's copy, kept stdlib-only
+    )
 
     assert tuple(KINDS) == PLUGIN_KINDS
 
@@ -187,9 +189,9 @@ def test_bfloat16_cases_are_built_in_bfloat16_from_ml_dtypes() -> None:
 
 
 def test_the_cli_and_the_plugin_offer_exactly_the_engines_precisions() -> None:
-    from tyingspec._cli import build_parser
-    from tyingspec._engine import PRECISION_CHOICES
-    from tyingspec._plugin import PRECISIONS
+    from tyingspec._src.engine.observe import PRECISION_CHOICES
+    from tyingspec._src.front.cli import build_parser
+    from tyingspec._src.front.plugin import PRECISIONS
 
     check = build_parser()._subparsers._group_actions[0].choices["check"]  # type: ignore[union-attr]
     action = next(a for a in check._actions if a.dest == "precision")

@@ -3,7 +3,7 @@
 Every command in the README's "Quick start" section is read from the README itself and run
 from the repository root against its file under ``examples/``; it must exit with the status
 its comment gives (``# exit 1: ...``), else 0.  ``tyingspec``, ``pytest`` and ``python`` are
-run as ``python -m tyingspec._cli``, ``python -m pytest`` and this interpreter, with the
+run as ``python -m tyingspec``, ``python -m pytest`` and this interpreter, with the
 repository on ``PYTHONPATH`` (what the console scripts of an installed tyingspec do); the
 checkpoint commands run in this process, one after the other, in a scratch directory.  The
 torch and transformers models' checks and the plugin's run are in the slow tier: each costs
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from tyingspec._diagnosis import LABELS
+from tyingspec._src.core.diagnosis import LABELS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-PROGRAMS = {"tyingspec": [sys.executable, "-m", "tyingspec._cli"],
+PROGRAMS = {"tyingspec": [sys.executable, "-m", "tyingspec"],
             "pytest": [sys.executable, "-m", "pytest"], "python": [sys.executable]}
 
 
@@ -123,7 +123,7 @@ def test_the_checkpoint_quick_start_runs_in_order(
         capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("safetensors")
-    from tyingspec._cli import main
+    from tyingspec._src.front.cli import main
 
     assert [c.split()[:3] for c, _ in CKPT] == [
         ["python", "examples/ckpt/make_drifted.py", "drifted.safetensors"],

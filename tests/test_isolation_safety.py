@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from tyingspec import KINDS, AdapterError, Case, build, load
-from tyingspec._adapters import Returned, call_model
-from tyingspec._findings import Finding, passed
+from tyingspec._src.core.adapters import Returned, call_model
+from tyingspec._src.core.findings import Finding, passed
 
 BIN = Path(sys.executable).parent
 
@@ -27,7 +27,7 @@ import gc, os, pickle, sys, time
 from multiprocessing.connection import Connection
 
 from tyingspec import AdapterError
-from tyingspec._builtins import REGISTRY
+from tyingspec._src.kinds.probe.builtins import REGISTRY
 
 _good = REGISTRY["tied"].model
 MARKER = {marker!r}
@@ -89,7 +89,7 @@ writes_touch, writes_exit = _writes("touch"), _writes("exit")
 
 def patches_returned(E, W, b, tokens, targets, *, res, s_in):
     # tyingspec's own result type, made to pickle as a command
-    from tyingspec._adapters import Returned
+    from tyingspec._src.core.adapters import Returned
     Returned.__reduce__ = lambda self: (os.system, ("touch " + MARKER,))
     return ok(E, W, b, tokens, targets, res=res, s_in=s_in)
 
@@ -147,7 +147,7 @@ def test_a_result_type_whose_pickling_the_worker_patched_still_crosses_as_plain_
 
 def test_after_a_refused_frame_a_fresh_worker_answers_and_its_result_is_right(
         attackers: Path) -> None:
-    from tyingspec._engine import call
+    from tyingspec._src.engine.observe import call
 
     batch = build(Case("big", V=1024, d=256, N=16, seed=3))  # dE through shared memory
     here = call_model("attackers:ok", lambda *a, **k: _tied(*a, **k),
@@ -167,7 +167,7 @@ def test_after_a_refused_frame_a_fresh_worker_answers_and_its_result_is_right(
 
 
 def _tied(*args: Any, **kwargs: Any) -> Any:
-    from tyingspec._builtins import REGISTRY
+    from tyingspec._src.kinds.probe.builtins import REGISTRY
 
     return REGISTRY["tied"].model(*args, **kwargs)
 
@@ -175,7 +175,7 @@ def _tied(*args: Any, **kwargs: Any) -> Any:
 # ---- the decoder, on frames no worker of tyingspec's would send -----------------------------
 
 def _frame(tree: Any, body: bytes = b"") -> bytes:
-    from tyingspec._isolation import _HEAD, _MAGIC
+    from tyingspec._src.engine.isolation import _HEAD, _MAGIC
 
     head = json.dumps(tree).encode()
     return _MAGIC + _HEAD.pack(len(head)) + head + body
@@ -217,7 +217,7 @@ F8 = np.dtype("<f8").str
         "error-field-not-text", "too-deep"])
 def test_the_parent_decodes_only_plain_data_and_says_what_it_refused(
         frame: Callable[[], bytes], words: list[str]) -> None:
-    from tyingspec._isolation import _decode, _Refused
+    from tyingspec._src.engine.isolation import _decode, _Refused
 
     with pytest.raises(_Refused) as info:
         _decode(frame())
@@ -226,8 +226,8 @@ def test_the_parent_decodes_only_plain_data_and_says_what_it_refused(
 
 
 def test_every_value_a_worker_legitimately_sends_comes_back_equal_and_of_its_type() -> None:
-    from tyingspec._isolation import _decode, _encode, _Shared
-    from tyingspec._tolerance import numpy_dtype
+    from tyingspec._src.core.tolerance import numpy_dtype
+    from tyingspec._src.engine.isolation import _decode, _encode, _Shared
 
     bf16 = numpy_dtype("bfloat16")
     rng = np.random.default_rng(0)
@@ -272,7 +272,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def test_the_worker_refuses_to_send_an_object_it_cannot_encode() -> None:
-    from tyingspec._isolation import _encode, _Unsendable
+    from tyingspec._src.engine.isolation import _encode, _Unsendable
 
     class Evil:
         pass
@@ -287,7 +287,7 @@ def test_the_worker_refuses_to_send_an_object_it_cannot_encode() -> None:
 
 FORKERS = '''
 import os, time
-from tyingspec._builtins import REGISTRY
+from tyingspec._src.kinds.probe.builtins import REGISTRY
 
 HERE = {here!r}
 
@@ -398,7 +398,7 @@ def test_a_child_the_target_forked_is_gone_after_a_normal_run(forkers: Path) -> 
 
 
 def test_a_child_the_target_forked_is_gone_once_its_worker_is_stopped(forkers: Path) -> None:
-    from tyingspec._engine import call
+    from tyingspec._src.engine.observe import call
 
     target = load("forkers:forks", "model", paths=(str(forkers),))
     try:

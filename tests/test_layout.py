@@ -1,5 +1,6 @@
-"""The package's imports, read with ``ast``: no import circle inside ``tyingspec``, and no kind's
-modules importing another kind's.
+"""The package's imports, read with ``ast``: no import circle inside ``tyingspec``, floors that
+run one way (front ends, then the engine, then the kinds, then the core), and no kind's folder
+importing another kind's.
 
 An import is every ``import`` / ``from ... import`` the code can execute, at the top of a module
 or inside a function (a lazy import still makes the two modules load each other).  Imports under
@@ -13,13 +14,13 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "tyingspec"
 
-#: each kind's modules, by the prefix they share (a kind lives in its own modules; the next
-#: step of the layout gives each its folder)
-KIND_PREFIXES = {"torch": "tyingspec._torch_", "linear-ce": "tyingspec._linear_ce"}
+SRC = "tyingspec._src."
+
+#: the floors of ``tyingspec/_src``, bottom up: a module imports only from its own floor or
+#: those below it
+FLOORS = {"core": 0, "kinds": 1, "engine": 2, "front": 3, "ckpt": 3, "reproduce": 3}
 
 
 def _modules() -> dict[str, Path]:
@@ -117,8 +118,9 @@ def test_the_package_has_no_import_circle() -> None:
 def test_the_circle_finder_finds_a_circle() -> None:
     # the test above must be able to fail: a lazy import back is a circle too
     edges = graph()
-    edges["tyingspec._tolerance"] = edges["tyingspec._tolerance"] | {"tyingspec._diagnosis"}
-    assert any({"tyingspec._diagnosis", "tyingspec._tolerance"} <= set(c) for c in circles(edges))
+    low, high = SRC + "core.tolerance", SRC + "core.diagnosis"
+    edges[low] = edges[low] | {high}
+    assert any({low, high} <= set(c) for c in circles(edges))
 
 
 def test_a_lazy_import_counts_and_a_type_checking_one_does_not() -> None:
@@ -129,11 +131,37 @@ def test_a_lazy_import_counts_and_a_type_checking_one_does_not() -> None:
         "typing", "_b"]
 
 
-@pytest.mark.parametrize("kind", sorted(KIND_PREFIXES))
-def test_a_kind_imports_no_other_kinds_modules(kind: str) -> None:
-    edges = graph()
-    own = KIND_PREFIXES[kind]
-    others = [p for k, p in KIND_PREFIXES.items() if k != kind]
-    crossing = {(m, t) for m, ts in edges.items() if m.startswith(own)
-                for t in ts if any(t.startswith(p) for p in others)}
-    assert not crossing, sorted(crossing)
+def _floor(module: str) -> str | None:
+    return module[len(SRC):].split(".")[0] if module.startswith(SRC) else None
+
+
+def _kind(module: str) -> str | None:
+    """The kind folder a module lives in (``probe``, ``torch``, ``linear_ce``), else None."""
+    parts = module[len(SRC):].split(".") if module.startswith(SRC) else []
+    return parts[1] if len(parts) > 2 and parts[0] == "kinds" else None
+
+
+def test_every_module_of_the_package_is_on_a_floor() -> None:
+    strays = [m for m in graph() if m not in ("tyingspec", "tyingspec.__main__")
+              and _floor(m) not in FLOORS and m != SRC.rstrip(".")]
+    assert not strays, strays
+
+
+def test_floors_run_one_way() -> None:
+    upward = sorted((m, t) for m, ts in graph().items() for t in ts
+                    if _floor(m) in FLOORS and _floor(t) in FLOORS
+                    and FLOORS[str(_floor(t))] > FLOORS[str(_floor(m))])
+    assert not upward, upward
+
+
+def test_a_kind_imports_no_other_kinds_folder() -> None:
+    crossing = sorted((m, t) for m, ts in graph().items() for t in ts
+                      if _kind(m) is not None and _kind(t) is not None and _kind(m) != _kind(t))
+    assert not crossing, crossing
+
+
+def test_a_kind_does_not_import_the_table_of_kinds() -> None:
+    # the table imports the kinds (to load one when it is used), never the other way
+    back = sorted((m, t) for m, ts in graph().items() for t in ts
+                  if _kind(m) is not None and t == SRC + "kinds.table")
+    assert not back, back

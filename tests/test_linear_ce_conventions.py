@@ -11,9 +11,9 @@ two kinds of kernel right only on the default batch (right up to one block; righ
 but not in bfloat16).
 
 The kernels run in this process through the engine (``Target`` built here): the signature
-check ``tyingspec._engine.load`` makes today takes a class with fewer than four constructor
+check ``engine.observe.load`` makes today takes a class with fewer than four constructor
 parameters for a torch-kind adapter, a change outside the linear-ce files (see
-``tyingspec._linear_ce_adapter.signature_problem``, pinned below).
+``kinds.linear_ce.adapter.signature_problem``, pinned below).
 """
 
 from __future__ import annotations
@@ -29,18 +29,18 @@ torch = pytest.importorskip("torch")
 from torch import Tensor, nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from tyingspec._cases import build  # noqa: E402
-from tyingspec._check import CaseResult, check_target, run_case  # noqa: E402
-from tyingspec._engine import Target, shaped  # noqa: E402
-from tyingspec._linear_ce_adapter import is_torch_form, signature_problem, supported  # noqa: E402
-from tyingspec._linear_ce_kind import (  # noqa: E402
+from tyingspec._src.core.cases import build  # noqa: E402
+from tyingspec._src.engine.observe import Target, shaped  # noqa: E402
+from tyingspec._src.front.check import CaseResult, check_target, run_case  # noqa: E402
+from tyingspec._src.front.report import render_case  # noqa: E402
+from tyingspec._src.kinds.linear_ce.adapter import is_torch_form, signature_problem, supported  # noqa: E402
+from tyingspec._src.kinds.linear_ce.kind import (  # noqa: E402
     LONG_N,
     drawn_ignore_index,
     restricted,
     standard_ce_cases,
 )
-from tyingspec._linear_ce_zoo import ce_numpy  # noqa: E402
-from tyingspec._report import render_case  # noqa: E402
+from tyingspec._src.kinds.linear_ce.zoo import ce_numpy  # noqa: E402
 
 CASES = standard_ce_cases(0)
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -1,6 +1,6 @@
 """The linear-ce kind: fused linear-cross-entropy kernels judged as the tied head.
 
-The zoo (tyingspec._linear_ce_zoo, whose tests pin each mutant against plain torch autograd)
+The zoo (kinds.linear_ce.zoo, whose tests pin each mutant against plain torch autograd)
 must reach its expected labels through ``tyingspec check --kind linear-ce`` and through the
 property suite; the correct numpy and torch kernels pass in float64 and float32.
 """
@@ -17,11 +17,11 @@ import pytest
 from conftest import Scratch
 from tyingspec.properties import PROPERTIES, PropertyFailure
 
-from tyingspec._check import check_target
-from tyingspec._engine import load
-from tyingspec._kinds import KINDS
-from tyingspec._linear_ce_kind import standard_ce_cases
-from tyingspec._linear_ce_zoo import LINEAR_CE_BUILTINS
+from tyingspec._src.engine.observe import load
+from tyingspec._src.front.check import check_target
+from tyingspec._src.kinds.linear_ce.kind import standard_ce_cases
+from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
+from tyingspec._src.kinds.table import KINDS
 
 CASES = standard_ce_cases(0)
 
@@ -63,7 +63,7 @@ def test_every_case_is_named_and_the_all_ignored_batch_is_defined() -> None:
 
 UNSUPPORTED = textwrap.dedent("""
     import numpy as np
-    from tyingspec._linear_ce_zoo import ce_numpy
+    from tyingspec._src.kinds.linear_ce.zoo import ce_numpy
     def no_softcap(h, E, targets, b=None, *, grad_output=None, logit_scale=1.0,
                    label_smoothing=0.0, lse_square_scale=0.0, ignore_index=-100,
                    reduction="mean", ce_weight=None):
@@ -80,7 +80,7 @@ UNSUPPORTED = textwrap.dedent("""
 def test_an_option_a_kernel_does_not_declare_is_never_run_as_off(tmp_path: Path) -> None:
     (tmp_path / "kern.py").write_text(UNSUPPORTED)
     out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "kern:no_softcap",
+    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", "kern:no_softcap",
                           "--kind", "linear-ce", "--json", str(out)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:]
@@ -91,7 +91,7 @@ def test_an_option_a_kernel_does_not_declare_is_never_run_as_off(tmp_path: Path)
 
 def test_a_malformed_result_names_the_adapter_the_array_and_the_shapes(tmp_path: Path) -> None:
     (tmp_path / "kern.py").write_text(UNSUPPORTED)
-    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "kern:bad_shape",
+    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", "kern:bad_shape",
                           "--kind", "linear-ce", "--case", "ce-plain"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
@@ -138,7 +138,7 @@ def test_bfloat16_inputs_reach_a_torch_kernel_and_are_judged_at_bfloat16() -> No
 
 def test_the_plugin_draws_only_the_options_a_kernel_declares(scratch: Scratch) -> None:
     scratch.makepyfile(kern=UNSUPPORTED, plain="""
-        from tyingspec._linear_ce_zoo import ce_numpy
+        from tyingspec._src.kinds.linear_ce.zoo import ce_numpy
         def no_options(h, E, targets, b=None, *, grad_output=None):
             return ce_numpy(h, E, targets, b, grad_output=grad_output)
     """)

@@ -15,10 +15,16 @@ import pytest
 from hypothesis import example, given, note
 from hypothesis import strategies as st
 
-from tyingspec._finite import _central
-from tyingspec._linear_ce import REDUCTIONS, VARIANTS, CEOptions, CEResult, linear_ce
-from tyingspec._symbolic_ce import symbolic_linear_ce
-from tyingspec._tolerance import Terms, row_tolerance, value_tolerance
+from tyingspec._src.core.finite import _central
+from tyingspec._src.core.tolerance import Terms, row_tolerance, value_tolerance
+from tyingspec._src.kinds.linear_ce.reference import (
+    REDUCTIONS,
+    VARIANTS,
+    CEOptions,
+    CEResult,
+    linear_ce,
+)
+from tyingspec._src.kinds.linear_ce.symbolic import symbolic_linear_ce
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from torch import Tensor  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from tyingspec import _linear_ce_zoo as zoo  # noqa: E402
-from tyingspec._linear_ce_zoo import (  # noqa: E402
+from tyingspec._src.kinds.linear_ce.zoo import (  # noqa: E402
     CHUNK,
     LINEAR_CE_BUILTINS,
     builtin_target,
@@ -391,7 +391,7 @@ def test_catalogue() -> None:
 
 
 def test_importing_the_zoo_does_not_import_torch() -> None:
-    code = ("import sys, tyingspec._linear_ce_zoo as z; z.builtin_target('ce-torch'); "
+    code = ("import sys, tyingspec._src.kinds.linear_ce.zoo as z; z.builtin_target('ce-torch'); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

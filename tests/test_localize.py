@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tyingspec._localize import (
+from tyingspec._src.core.localize import (
     BudgetExceeded,
     Localization,
     NonFiniteLoss,
     localize,
 )
-from tyingspec._probe import Paths, closed_form_paths, loss_only
+from tyingspec._src.core.paths import Paths, closed_form_paths, loss_only
 
 
 @dataclass

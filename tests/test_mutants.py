@@ -14,8 +14,7 @@ from tyingspec.properties import PROPERTIES
 from tyingspec.properties._signatures import SIGNATURES, missing_signatures
 
 from tyingspec import LABELS, REGISTRY, Case, Implementation, load
-from tyingspec._builtins import mutants, styles
-from tyingspec._kill_matrix import (
+from tyingspec._src.front.kill_matrix import (
     FAILED,
     KILLED,
     PASSED,
@@ -27,7 +26,8 @@ from tyingspec._kill_matrix import (
     run_row,
     targets,
 )
-from tyingspec._mutants import MUTANT, STATEFUL, STYLE, reset_state
+from tyingspec._src.kinds.probe.builtins import mutants, styles
+from tyingspec._src.kinds.probe.mutants import MUTANT, STATEFUL, STYLE, reset_state
 
 # The kill matrix pins its own Hypothesis budget (bounded, derandomized): it is a measurement of
 # the suite's power, not a test the profile should scale.  Rows are static, so xdist workers

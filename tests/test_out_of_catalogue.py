@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 
 import tyingspec
-from tyingspec._cases import Case
-from tyingspec._diagnosis import LABELS, run_label
-from tyingspec._engine import first_call, load
-from tyingspec._strategies import cases
+from tyingspec._src.core.cases import Case
+from tyingspec._src.core.diagnosis import LABELS, run_label
+from tyingspec._src.core.strategies import cases
+from tyingspec._src.engine.observe import first_call, load
 
 HERE = Path(__file__).parent
 

@@ -18,10 +18,10 @@ from conftest import Scratch
 from hypothesis import Phase
 from tyingspec.properties import for_kind
 
-from tyingspec._baseline import apply_check_baseline, load
-from tyingspec._cases import standard_cases
-from tyingspec._check import check_target
-from tyingspec._suite import profile_settings
+from tyingspec._src.core.cases import standard_cases
+from tyingspec._src.front.baseline import apply_check_baseline, load
+from tyingspec._src.front.check import check_target
+from tyingspec._src.front.suite import profile_settings
 
 ADAPTERS = textwrap.dedent('''
     """A user's adapters: tyingspec's correct and broken built-ins, re-exported."""
@@ -343,7 +343,7 @@ def test_the_ci_profile_applies_when_ci_is_set(repo: Scratch,
 
 
 def test_the_plugin_module_imports_without_numpy_sympy_or_hypothesis() -> None:
-    code = ("import sys, tyingspec._plugin; "
+    code = ("import sys, tyingspec._src.front.plugin; "
             "print(sorted(m for m in ('numpy', 'sympy', 'hypothesis') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

@@ -19,9 +19,9 @@ from conftest import Scratch
 from tyingspec.properties import PROPERTIES, for_kind
 
 from tyingspec import _baseline
-from tyingspec._baseline import apply_check_baseline
-from tyingspec._cases import standard_cases
-from tyingspec._check import check_target
+from tyingspec._src.core.cases import standard_cases
+from tyingspec._src.front.baseline import apply_check_baseline
+from tyingspec._src.front.check import check_target
 
 ADAPTERS = textwrap.dedent('''
     """A user's adapters: tyingspec's correct and broken built-ins, re-exported."""

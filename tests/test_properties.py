@@ -19,12 +19,12 @@ from tyingspec.properties import PROPERTIES, PropertyFailure, for_kind
 from tyingspec.properties._signatures import SIGNATURES, SignatureMismatch
 
 from tyingspec import LABELS, REGISTRY, Case, build
-from tyingspec._cases import COMPOSITIONS
-from tyingspec._engine import Target, load, observe
-from tyingspec._kill_matrix import KILLED, run_property
-from tyingspec._kinds import KINDS
-from tyingspec._mutants import reset_state
-from tyingspec._strategies import cases
+from tyingspec._src.core.cases import COMPOSITIONS
+from tyingspec._src.core.strategies import cases
+from tyingspec._src.engine.observe import Target, load, observe
+from tyingspec._src.front.kill_matrix import KILLED, run_property
+from tyingspec._src.kinds.probe.mutants import reset_state
+from tyingspec._src.kinds.table import KINDS
 
 PROPERTIES_DIR = Path(__file__).resolve().parents[1] / "properties"
 
@@ -366,7 +366,7 @@ def test_a_failure_shrinks_to_a_small_readable_batch_under_the_plugins_settings(
     from hypothesis import given, settings
     from tyingspec.properties import PROPERTIES, PropertyFailure
 
-    from tyingspec._suite import profile_settings
+    from tyingspec._src.front.suite import profile_settings
 
     prop = PROPERTIES["sum_of_paths"]
     target = load("output-path-only", "model")

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from tyingspec._cli import main
-from tyingspec._diagnosis import LABELS
-from tyingspec._kinds import KIND_NAMES
+from tyingspec._src.core.diagnosis import LABELS
+from tyingspec._src.front.cli import main
+from tyingspec._src.kinds.table import KIND_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "tyingspec" / "schemas"
@@ -163,8 +163,8 @@ def test_every_report_schema_the_code_writes_has_a_file() -> None:
     for path in (ROOT / "tyingspec").rglob("*.py"):
         written |= set(re.findall(r"tyingspec\.[a-z]+/\d+", path.read_text(encoding="utf-8")))
     assert written - set(NOT_REPORTS) == set(FILES.values())
-    from tyingspec._kill_matrix import SCHEMA as MUTANTS
-    from tyingspec._report import SCHEMA as CHECK
+    from tyingspec._src.front.kill_matrix import SCHEMA as MUTANTS
+    from tyingspec._src.front.report import SCHEMA as CHECK
 
     assert {CHECK, MUTANTS} <= set(FILES.values())
 

@@ -16,17 +16,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tyingspec._finite import central_differences
-from tyingspec._reproduce import EXPERIMENTS, configure_parser, run, run_experiment
-from tyingspec._reproduce import _alignment as alignment
-from tyingspec._reproduce import _blind_spot as blind_spot
-from tyingspec._reproduce import _common as common
-from tyingspec._reproduce import _gradient_table as gradient_table
-from tyingspec._reproduce import _init_coupling as init_coupling
-from tyingspec._reproduce import _loss_curves as loss_curves
-from tyingspec._reproduce import _param_savings as param_savings
-from tyingspec._reproduce import _repeat_bias as repeat_bias
-from tyingspec._reproduce import _train as train
+from tyingspec._src.core.finite import central_differences
+from tyingspec._src.reproduce import EXPERIMENTS, configure_parser, run, run_experiment
+from tyingspec._src.reproduce import _alignment as alignment
+from tyingspec._src.reproduce import _blind_spot as blind_spot
+from tyingspec._src.reproduce import _common as common
+from tyingspec._src.reproduce import _gradient_table as gradient_table
+from tyingspec._src.reproduce import _init_coupling as init_coupling
+from tyingspec._src.reproduce import _loss_curves as loss_curves
+from tyingspec._src.reproduce import _param_savings as param_savings
+from tyingspec._src.reproduce import _repeat_bias as repeat_bias
+from tyingspec._src.reproduce import _train as train
 
 RTOL, ATOL = 1e-12, 1e-12
 
@@ -201,7 +201,7 @@ def test_expected_loss_matches_the_library_loss_on_a_deterministic_task() -> Non
     rng = np.random.default_rng(seed)
     task, perm = train.successor_task(rng, 16)
     model = train.init_model(rng, 16, 4, untied=False, sigma=0.5)
-    from tyingspec._probe import loss_only
+    from tyingspec._src.core.paths import loss_only
 
     ref = loss_only(model.E, model.E, model.W, None, np.arange(16), perm, model.res, model.s_in)
     assert math.isclose(train.expected_loss(model, task), ref, rel_tol=1e-12, abs_tol=1e-12), \

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tyingspec._check import CheckReport
+from tyingspec._src.front.check import CheckReport
 
 
 def _report(*labels: str) -> CheckReport:
@@ -53,7 +53,7 @@ def test_a_special_case_counts_as_its_general_label() -> None:
 def test_the_label_does_not_change_with_pythonhashseed() -> None:
     code = textwrap.dedent('''
         from types import SimpleNamespace
-        from tyingspec._check import CheckReport
+        from tyingspec._src.front.check import CheckReport
         r = CheckReport("t", "model", 0)
         labels = ["unknown", "output_path_wrong", "path_scaled", "gradient_not_zeroed",
                   "tie_is_a_copy", "inputs_mutated"]

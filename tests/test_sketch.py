@@ -1,4 +1,4 @@
-"""Judging absent rows through projections (``tyingspec._probe.Sketch``) at large shapes.
+"""Judging absent rows through projections (``core.paths.Sketch``) at large shapes.
 
 The sketch is what makes a check at GPT-2 size affordable; these tests force it on small
 shapes, where the dense judgement is cheap, and hold it to the same verdicts."""
@@ -13,12 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tyingspec import _probe
-from tyingspec._builtins import builtins
-from tyingspec._cases import at_shape, build, kernel_paths, standard_cases
-from tyingspec._check import check_target
-from tyingspec._diagnosis import diagnose
-from tyingspec._mutants import reset_state
-from tyingspec._probe import (
+from tyingspec._src.core.cases import at_shape, build, kernel_paths, standard_cases
+from tyingspec._src.core.diagnosis import diagnose
+from tyingspec._src.core.paths import (
     InputPath,
     OutputPath,
     closed_form_paths,
@@ -26,7 +23,10 @@ from tyingspec._probe import (
     scatter_rows,
     sketch_directions,
 )
-from tyingspec._tolerance import row_tolerance
+from tyingspec._src.core.tolerance import row_tolerance
+from tyingspec._src.front.check import check_target
+from tyingspec._src.kinds.probe.builtins import builtins
+from tyingspec._src.kinds.probe.mutants import reset_state
 
 
 def _paths(seed: int = 0, *, V: int = 96, d: int = 12, N: int = 16, sketch: bool = True,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from torch_sources import check, summary
 
-from tyingspec._check import CheckReport
+from tyingspec._src.front.check import CheckReport
 
 
 def assert_correct(rep: CheckReport, *, low_precision: bool = False) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch_sources
 from torch_sources import summary
 
-from tyingspec._check import CheckReport
+from tyingspec._src.front.check import CheckReport
 
 #: the shared prelude, and a tiny GPT whose `embed` and `head` a subclass changes
 PRELUDE = torch_sources.PRELUDE + textwrap.dedent('''

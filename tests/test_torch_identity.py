@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tyingspec._findings import Finding
-from tyingspec._torch_identity import identity_findings, optimizer_findings
+from tyingspec._src.core.findings import Finding
+from tyingspec._src.kinds.torch.identity import identity_findings, optimizer_findings
 
 EMB, HEAD = "transformer.wte.weight", "lm_head.weight"
 VOCAB, WIDTH = 13, 8

@@ -1,6 +1,6 @@
 """The torch kind: a user's own nn.Module checked through the engine, the CLI and the plugin.
 
-Every built-in of the torch zoo (tyingspec._torch_zoo, whose own tests prove each bug with
+Every built-in of the torch zoo (kinds.torch.zoo, whose own tests prove each bug with
 plain torch) must reach its expected label through ``tyingspec check --kind torch``, with a
 replay line, and through the property suite.
 """
@@ -18,11 +18,11 @@ from conftest import Scratch
 from tyingspec.properties import PROPERTIES, PropertyFailure
 
 from tyingspec import standard_cases
-from tyingspec._check import check_target
-from tyingspec._cli import main
-from tyingspec._engine import load, observe, own_case
-from tyingspec._kinds import KINDS
-from tyingspec._torch_zoo import TORCH_BUILTINS
+from tyingspec._src.engine.observe import load, observe, own_case
+from tyingspec._src.front.check import check_target
+from tyingspec._src.front.cli import main
+from tyingspec._src.kinds.table import KINDS
+from tyingspec._src.kinds.torch.zoo import TORCH_BUILTINS
 
 BUILTINS = sorted(TORCH_BUILTINS)
 BROKEN = [n for n in BUILTINS if TORCH_BUILTINS[n].breaks is not None]
@@ -100,7 +100,7 @@ def test_a_model_without_a_tie_exits_2(tmp_path: Path) -> None:
         def make():
             return M()
     """))
-    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "untied_model:make",
+    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", "untied_model:make",
                           "--kind", "torch"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 2, run.stdout + run.stderr
@@ -123,7 +123,7 @@ def test_a_user_module_runs_isolated_with_a_torch_target_spec(tmp_path: Path) ->
                 return self.out(torch.tanh(self.emb(idx)))
         target = TorchTarget(model=M, batch_size=2, seq_len=5)
     """))
-    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "plain_model:target",
+    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", "plain_model:target",
                           "--kind", "torch"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -177,7 +177,7 @@ def test_the_plugin_runs_the_torch_properties(scratch: Scratch, adapter: str, co
 
 PADDED_ADAPTER = textwrap.dedent("""
     import numpy as np
-    from tyingspec._probe import forward_parts
+    from tyingspec._src.core.paths import forward_parts
     def _run(E, W, b, tokens, targets, res, s_in, pad, mask_out):
         t = np.asarray(tokens).reshape(-1); y = np.asarray(targets).reshape(-1)
         p = forward_parts(E, E, W, b, t, y, res, s_in)
@@ -205,7 +205,7 @@ def test_the_probe_model_contract_takes_padding_idx(tmp_path: Path, attr: str, c
                                                     label: str | None) -> None:
     (tmp_path / "padded.py").write_text(PADDED_ADAPTER)
     out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", f"padded:{attr}",
+    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", f"padded:{attr}",
                           "--padding-idx", "0", "--json", str(out)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == code, run.stdout[-2000:]
@@ -218,7 +218,7 @@ def test_the_probe_model_contract_takes_padding_idx(tmp_path: Path, attr: str, c
         assert labels - {"correct", "no_power"}, labels
     # without --padding-idx the adapter is not passed padding_idx: its unpadded contract holds
     if attr == "good":
-        plain = subprocess.run([sys.executable, "-m", "tyingspec._cli", "check", "padded:good",
+        plain = subprocess.run([sys.executable, "-m", "tyingspec", "check", "padded:good",
                                 "--case", "token-zero"], cwd=tmp_path, capture_output=True,
                                text=True, timeout=300)
         assert plain.returncode == 0, plain.stdout[-2000:]

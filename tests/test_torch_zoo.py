@@ -19,9 +19,9 @@ from torch import Tensor, nn  # noqa: E402
 from torch.func import functional_call  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from tyingspec._diagnosis import LABELS  # noqa: E402
-from tyingspec._torch_target import TorchTarget  # noqa: E402
-from tyingspec._torch_zoo import TORCH_BUILTINS, builtin_target  # noqa: E402
+from tyingspec._src.core.diagnosis import LABELS  # noqa: E402
+from tyingspec._src.kinds.torch.target import TorchTarget  # noqa: E402
+from tyingspec._src.kinds.torch.zoo import TORCH_BUILTINS, builtin_target  # noqa: E402
 
 EMB, HEAD = "transformer.wte.weight", "lm_head.weight"
 # 3 four times, 5 three times, 0 and 2 twice: repeats on both sequences, and the padding row
@@ -428,7 +428,7 @@ def test_unknown_name_is_refused() -> None:
 def test_importing_needs_neither_torch_nor_transformers() -> None:
     # transformers blocked: the zoo imports without torch, and the nanogpt built-ins still build
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "import tyingspec._torch_zoo as z\n"
+            "import tyingspec._src.kinds.torch.zoo as z\n"
             "assert 'torch' not in sys.modules\n"
             "assert 'gpt2' in z.TORCH_BUILTINS\n"
             "z.nanogpt(); z.nanogpt_grad_not_zeroed()\n")

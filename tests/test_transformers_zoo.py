@@ -1,6 +1,6 @@
 """``tyingspec check --kind torch`` over real architectures (``tests/transformers_zoo.py``).
 
-Each entry runs as a user runs it: ``python -m tyingspec._cli check
+Each entry runs as a user runs it: ``python -m tyingspec check
 tests.transformers_zoo:<factory> --kind torch`` in a subprocess whose working directory is the
 repository root (``tests`` has no ``__init__.py``; it imports from there as a namespace package,
 and ``tyingspec check`` looks a ``module:attr`` target up from the current directory).  A
@@ -127,7 +127,7 @@ def test_each_broken_entry_breaks_its_gradient_where_its_bug_says(entry: ZooEntr
 # --- tyingspec check, as a user runs it --------------------------------------------------------
 
 def _check(entry: ZooEntry) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tyingspec._cli", "check",
+    return subprocess.run([sys.executable, "-m", "tyingspec", "check",
                            f"tests.transformers_zoo:{entry.factory}", "--kind", "torch"],
                           cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from tyingspec._check import CheckReport, check_target
-from tyingspec._kinds import kind_spec
+from tyingspec._src.front.check import CheckReport, check_target
+from tyingspec._src.kinds.table import kind_spec
 
 #: What every model module starts with: one residual tanh block and a LayerNorm (the body), and
 #: an init small enough that no softmax saturates.

@@ -10,66 +10,82 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._adapters import AdapterError, Returned
-    from ._api import assert_correct, check
-    from ._builtins import REGISTRY
-    from ._cases import Batch, Case, build, standard_cases
-    from ._check import CaseResult, CheckFailed, CheckReport, check_target
-    from ._diagnosis import LABELS, ArrayCheck, Diagnosis, Label, Power, compare, diagnose
-    from ._engine import Observation, Target, call, judge, load, observe, reference
-    from ._finite import central_differences
-    from ._implementations import Implementation, register
-    from ._kinds import KINDS, Kind, KindSpec, resolve
-    from ._probe import Paths, closed_form_paths, loss_only
-    from ._strategies import cases
-    from ._symbolic import symbolic_paths
-    from ._tolerance import Precision, Tolerance, tolerance_for
-    from ._torch_target import TorchTarget
+    from tyingspec._src.core.adapters import AdapterError, Returned
+    from tyingspec._src.core.cases import Batch, Case, build, standard_cases
+    from tyingspec._src.core.diagnosis import (
+        LABELS,
+        ArrayCheck,
+        Diagnosis,
+        Label,
+        Power,
+        compare,
+        diagnose,
+    )
+    from tyingspec._src.core.finite import central_differences
+    from tyingspec._src.core.paths import Paths, closed_form_paths, loss_only
+    from tyingspec._src.core.strategies import cases
+    from tyingspec._src.core.symbolic import symbolic_paths
+    from tyingspec._src.core.tolerance import Precision, Tolerance, tolerance_for
+    from tyingspec._src.engine.observe import (
+        Observation,
+        Target,
+        call,
+        judge,
+        load,
+        observe,
+        reference,
+    )
+    from tyingspec._src.front.api import assert_correct, check
+    from tyingspec._src.front.check import CaseResult, CheckFailed, CheckReport, check_target
+    from tyingspec._src.kinds.probe.builtins import REGISTRY
+    from tyingspec._src.kinds.probe.implementations import Implementation, register
+    from tyingspec._src.kinds.table import KINDS, Kind, KindSpec, resolve
+    from tyingspec._src.kinds.torch.target import TorchTarget
 
 _WHERE: dict[str, str] = {
-    "AdapterError": "._adapters",
-    "ArrayCheck": "._diagnosis",
-    "Batch": "._cases",
-    "Case": "._cases",
-    "CaseResult": "._check",
-    "CheckReport": "._check",
-    "CheckFailed": "._check",
-    "check": "._api",
-    "assert_correct": "._api",
-    "Diagnosis": "._diagnosis",
-    "Implementation": "._implementations",
-    "LABELS": "._diagnosis",
-    "Paths": "._probe",
-    "Power": "._diagnosis",
-    "REGISTRY": "._builtins",
-    "Tolerance": "._tolerance",
-    "build": "._cases",
-    "cases": "._strategies",
-    "Returned": "._adapters",
-    "Observation": "._engine",
-    "Target": "._engine",
-    "call": "._engine",
-    "judge": "._engine",
-    "load": "._engine",
-    "observe": "._engine",
-    "reference": "._engine",
-    "KINDS": "._kinds",
-    "Kind": "._kinds",
-    "KindSpec": "._kinds",
-    "Label": "._diagnosis",
-    "Precision": "._tolerance",
-    "central_differences": "._finite",
-    "check_target": "._check",
-    "closed_form_paths": "._probe",
-    "compare": "._diagnosis",
-    "diagnose": "._diagnosis",
-    "loss_only": "._probe",
-    "register": "._implementations",
-    "resolve": "._kinds",
-    "standard_cases": "._cases",
-    "symbolic_paths": "._symbolic",
-    "tolerance_for": "._tolerance",
-    "TorchTarget": "._torch_target",
+    "AdapterError": "._src.core.adapters",
+    "ArrayCheck": "._src.core.diagnosis",
+    "Batch": "._src.core.cases",
+    "Case": "._src.core.cases",
+    "CaseResult": "._src.front.check",
+    "CheckReport": "._src.front.check",
+    "CheckFailed": "._src.front.check",
+    "check": "._src.front.api",
+    "assert_correct": "._src.front.api",
+    "Diagnosis": "._src.core.diagnosis",
+    "Implementation": "._src.kinds.probe.implementations",
+    "LABELS": "._src.core.diagnosis",
+    "Paths": "._src.core.paths",
+    "Power": "._src.core.diagnosis",
+    "REGISTRY": "._src.kinds.probe.builtins",
+    "Tolerance": "._src.core.tolerance",
+    "build": "._src.core.cases",
+    "cases": "._src.core.strategies",
+    "Returned": "._src.core.adapters",
+    "Observation": "._src.engine.observe",
+    "Target": "._src.engine.observe",
+    "call": "._src.engine.observe",
+    "judge": "._src.engine.observe",
+    "load": "._src.engine.observe",
+    "observe": "._src.engine.observe",
+    "reference": "._src.engine.observe",
+    "KINDS": "._src.kinds.table",
+    "Kind": "._src.kinds.table",
+    "KindSpec": "._src.kinds.table",
+    "Label": "._src.core.diagnosis",
+    "Precision": "._src.core.tolerance",
+    "central_differences": "._src.core.finite",
+    "check_target": "._src.front.check",
+    "closed_form_paths": "._src.core.paths",
+    "compare": "._src.core.diagnosis",
+    "diagnose": "._src.core.diagnosis",
+    "loss_only": "._src.core.paths",
+    "register": "._src.kinds.probe.implementations",
+    "resolve": "._src.kinds.table",
+    "standard_cases": "._src.core.cases",
+    "symbolic_paths": "._src.core.symbolic",
+    "tolerance_for": "._src.core.tolerance",
+    "TorchTarget": "._src.kinds.torch.target",
 }
 
 __all__ = [

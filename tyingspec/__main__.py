@@ -1,0 +1,6 @@
+"""``python -m tyingspec``: the ``tyingspec`` command, for an environment whose scripts are not
+on ``PATH``."""
+
+from tyingspec._src.front.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""``tyingspec ckpt``: a checkpoint's tie read, inspected and converted.
+"""

@@ -1,0 +1,496 @@
+"""Seeded batches: a case is its shape, composition and seed; values are built from the seed.
+
+Values are never drawn element by element: a case carries V, d, N, settings and one integer
+seed, and ``build`` makes every array from ``np.random.default_rng(seed)``, so a printed case
+replays exactly.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tyingspec._src.core import memory
+from tyingspec._src.core.paths import (
+    Array,
+    IntArray,
+    Paths,
+    closed_form_paths,
+    draw_directions,
+    input_path,
+    kernel_terms,
+    two_paths,
+)
+from tyingspec._src.core.tolerance import numpy_dtype
+
+#: How the tokens of a batch are composed.  ``random``: uniform; ``distinct``: no repeats;
+#: ``repeats``: ``distinct`` tokens, each present, some repeated; ``one-token``: one token N times;
+#: ``with-zero``: uniform with token 0 present; ``multiplicity``: ``distinct`` tokens each seen
+#: exactly ``multiplicity`` times, plus N % multiplicity singletons; ``sparse``: like ``repeats``
+#: (``distinct`` tokens, all present) but without a forced repeat, for batches that leave most of
+#: the vocabulary absent; ``crowded``: uniform, meant for N > V; ``no-zero``: uniform over 1..V-1.
+COMPOSITIONS = ("random", "distinct", "repeats", "one-token", "with-zero", "multiplicity",
+                "sparse", "crowded", "no-zero")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One batch: shapes, settings, how tokens are composed, and the seed for every value."""
+
+    name: str
+    V: int
+    d: int
+    N: int
+    seed: int
+    composition: str = "random"
+    res: float = 1.0
+    s_in: float = 1.0
+    bias: bool = True
+    distinct: int | None = None  # for "repeats": how many distinct tokens
+    dtype: str = "float64"
+    tokens: tuple[int, ...] | None = None  # explicit batch (a replayed, shrunk one)
+    targets: tuple[int, ...] | None = None
+    multiplicity: int | None = None  # for "multiplicity": copies of each repeated token
+    e_scale: float = 1.0  # E is drawn as N(0, 1) * e_scale; 0 makes every path vanish (vacuous)
+    # False for a target that brings its own model (torch): only the tokens and targets are
+    # the case's; the probe model's res, s_in, bias and E do not apply
+    probe: bool = True
+    # nn.Embedding(padding_idx=p) semantics: the input path never reaches row p (the output
+    # path still does); None: no padding row
+    padding_idx: int | None = None
+    # a linear-ce case's options, "key=value,..." (see kinds.linear_ce.kind.ce_options):
+    # the kernel's options plus how the batch exposes them (ignored=fraction, logits=magnitude)
+    ce: str = ""
+    # the user's --shape: a target with a shape of its own (a torch model) keeps this N (its
+    # batch x sequence) and must have this V and d
+    given_shape: bool = False
+
+    def describe(self) -> str:
+        if not self.probe:
+            return f"V={self.V} d={self.d} N={self.N} seed={self.seed}"
+        text = self._describe()
+        if self.padding_idx is not None:
+            text += f" padding_idx={self.padding_idx}"
+        return text + (f" {self.ce}" if self.ce else "")
+
+    def _describe(self) -> str:
+        b = "with b" if self.bias else "no b"
+        scale = "" if self.e_scale == 1.0 else f" e_scale={self.e_scale:g}"
+        return (f"V={self.V} d={self.d} N={self.N} res={self.res:g} s_in={self.s_in:g} {b} "
+                f"{self.dtype}{scale} seed={self.seed}")
+
+    def with_batch(self, tokens: IntArray, targets: IntArray) -> Case:
+        return replace(self, N=int(tokens.shape[0]), tokens=tuple(int(t) for t in tokens),
+                       targets=tuple(int(t) for t in targets))
+
+
+@dataclass(frozen=True)
+class Batch:
+    E: Array
+    W: Array
+    b: Array | None
+    tokens: IntArray
+    targets: IntArray
+    res: float
+    s_in: float
+    padding_idx: int | None = None
+    ce: str = ""  # a linear-ce case's options (see Case.ce)
+    ce_weight: Array | None = None  # drawn class weights, when the case asks for them
+    grad_output: Array | None = None  # drawn [N] upstream gradient for reduction="none"
+
+
+def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
+    V, N = case.V, case.N
+    if case.composition == "distinct":
+        if N > V:
+            raise ValueError(f"case {case.name!r}: {N} distinct tokens need V >= N, got V={V}")
+        return rng.choice(V, size=N, replace=False)
+    if case.composition == "one-token":
+        return np.full(N, rng.integers(V))
+    if case.composition == "repeats":
+        k = min(case.distinct or max(1, N // 2), V, N)
+        pool = rng.choice(V, size=k, replace=False)
+        # Every pool token appears (exactly k distinct), the rest repeat them.
+        t = np.concatenate([pool, rng.choice(pool, size=N - k)])
+        if N > 1 and k == N:  # no room for a repeat otherwise
+            t[-1] = t[0]
+        return rng.permutation(t)
+    if case.composition == "multiplicity":
+        m = max(2, case.multiplicity or 2)
+        k, r = N // m, N % m
+        if k + r > V:
+            raise ValueError(f"case {case.name!r}: {k} tokens x{m} plus {r} singletons need "
+                             f"V >= {k + r}, got V={V}")
+        pool = rng.choice(V, size=k + r, replace=False)
+        return rng.permutation(np.concatenate([np.repeat(pool[:k], m), pool[k:]]))
+    if case.composition == "sparse":
+        k = min(case.distinct or max(1, V // 8), V, N)
+        pool = rng.choice(V, size=k, replace=False)
+        return rng.permutation(np.concatenate([pool, rng.choice(pool, size=N - k)]))
+    if case.composition == "no-zero":
+        if V < 2:
+            raise ValueError(f"case {case.name!r}: tokens without 0 need V >= 2, got V={V}")
+        return rng.integers(1, V, size=N)
+    t = rng.integers(V, size=N)
+    if case.composition == "with-zero":
+        t[rng.integers(N)] = 0
+    return t
+
+
+def build(case: Case) -> Batch:
+    """Every array of a case, from its seed (weights at a scale where both paths matter)."""
+    rng = np.random.default_rng(case.seed)
+    dt = numpy_dtype(case.dtype)  # type: ignore[arg-type]
+    if dt == np.float32:
+        # drawn in float32 directly: at V*d = 38M this is a second, not a tenth of one
+        E = rng.standard_normal(dtype=np.float32, out=memory.empty((case.V, case.d), np.float32))
+        E *= np.float32(case.e_scale)
+    else:
+        E = (rng.normal(size=(case.V, case.d)) * case.e_scale).astype(dt)
+    W = (rng.normal(size=(case.d, case.d)) / np.sqrt(case.d)).astype(dt)
+    b = rng.normal(size=case.V).astype(dt) if case.bias else None
+    if case.tokens is not None and case.targets is not None:
+        tokens = np.asarray(case.tokens, dtype=np.int64)
+        targets = np.asarray(case.targets, dtype=np.int64)
+    else:
+        tokens = _tokens(case, rng).astype(np.int64)
+        targets = rng.integers(case.V, size=case.N).astype(np.int64)
+    batch = Batch(E, W, b, tokens, targets, case.res, case.s_in, case.padding_idx)
+    if case.ce:
+        batch = with_ce(batch, case, explicit=case.targets is not None)
+    return batch
+
+
+def case_seed(base: int, name: str) -> int:
+    """A stable per-case seed from the run's seed and the case name (same on every machine)."""
+    value = base * 1_000_003 + zlib.crc32(name.encode())
+    # Below 2**32 the historical 32-bit seeds (every printed replay stays valid); above it every
+    # bit of the user's seed is kept (2**70 must not replay the batches of seed 0).
+    return value % (2**32) if base < 2**32 else value
+
+
+def standard_cases(seed: int) -> list[Case]:
+    """The seeded set ``tyingspec check TARGET`` runs: each covers one way bugs hide."""
+    specs = [
+        ("absent-tokens", dict(V=32, d=8, N=6, composition="distinct")),
+        ("repeated-tokens", dict(V=32, d=8, N=12, composition="repeats", distinct=4)),
+        ("one-token-repeated", dict(V=16, d=4, N=8, composition="one-token")),
+        ("n-greater-than-v", dict(V=5, d=3, N=20)),
+        ("v-equals-1", dict(V=1, d=3, N=4)),
+        ("v-equals-d", dict(V=6, d=6, N=8, composition="repeats", distinct=3)),
+        ("token-zero", dict(V=16, d=4, N=6, composition="with-zero")),
+        ("res-zero", dict(V=16, d=4, N=8, composition="repeats", distinct=5, res=0.0)),
+        ("s-in-not-1", dict(V=16, d=4, N=8, composition="repeats", distinct=5, res=0.7,
+                            s_in=2.5)),
+        ("no-bias", dict(V=16, d=4, N=8, composition="repeats", distinct=5, bias=False)),
+    ]
+    return [Case(name=name, seed=case_seed(seed, name), **kw) for name, kw in specs]  # type: ignore[arg-type]
+
+
+#: E's scale in ``--shape`` cases: GPT-2's initialisation.  The small cases draw E ~ N(0, 1),
+#: which at d = 768 puts logits in the hundreds: a softmax no trained or fresh model has, whose
+#: subnormal gradients slow the reference tenfold and whose rounding hides real bugs.
+SHAPE_E_SCALE = 0.02
+
+#: Standard cases whose point is their shape: ``--shape`` leaves them out.
+SHAPE_CASES = ("n-greater-than-v", "v-equals-1", "v-equals-d")
+
+#: Standard cases whose point is a setting of the probe model: a target with its own model
+#: (torch) leaves them out too.
+PROBE_CASES = ("res-zero", "s-in-not-1", "no-bias")
+
+
+def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], list[str]]:
+    """The cases at a user's shape, each keeping its composition; the names left out (those
+    defined by their shape, and those whose composition the shape cannot hold)."""
+    kept: list[Case] = []
+    left_out: list[str] = []
+    for c in cases:
+        if c.name in SHAPE_CASES or (c.composition == "distinct" and N > V):
+            left_out.append(c.name)
+            continue
+        kept.append(replace(c, V=V, d=d, N=N, tokens=None, targets=None,
+                            e_scale=SHAPE_E_SCALE, given_shape=True))
+    return kept, left_out
+
+
+def bytes_needed(V: int, d: int, N: int) -> int:
+    """About how many bytes a check of one case at ``V, d, N`` holds at its peak, in 8-byte
+    entries: seven [V, d] arrays (the E it builds, E after the SGD step, the reference's two
+    paths, the returned dE and their differences), two and a half [N, V] (the logits, their
+    softmax, a part of either), one [N, d].
+
+    Fitted to the peak resident memory of ``tyingspec check tied --shape V,d,N --case
+    repeated-tokens`` (numpy 2, CPU), the interpreter's 40 MB left out: 187 MiB at
+    8192,256,512, 311 MiB at 16384,256,256, 473 MiB at 16384,512,64 and 643 MiB at
+    1024,64,32768, each within 4% of this.  It is checked before any array is made, so
+    ``--shape 1000000000,768,1024`` is refused at once instead of failing (or swapping) on
+    its first allocation."""
+    return 8 * (7 * V * d + 5 * N * V // 2 + N * d)
+
+
+def memory_problem(V: int, d: int, N: int, available: int | None) -> str | None:
+    """Why a case at ``V, d, N`` cannot run here (it needs more memory than ``available``
+    bytes); None when it fits or the available memory is unknown."""
+    from tyingspec._src.core.options import byte_text
+
+    need = bytes_needed(V, d, N)
+    if available is None or need <= available:
+        return None
+    return (f"V={V} d={d} N={N} needs about {byte_text(need)} of memory and this machine has "
+            f"{byte_text(available)} available")
+
+
+def batch_problem(tokens: tuple[int, ...] | None, targets: tuple[int, ...] | None,
+                  V: int | None, *, ignore_index: int | None = None) -> str | None:
+    """Why an explicit batch (``--tokens/--targets``, a replay's) cannot be run on a vocabulary
+    of ``V`` rows: tokens and targets apart, of different lengths, empty, or outside
+    ``[0, V)`` (a target may be ``ignore_index`` where the kind has one; ``V=None``: not yet
+    known, only negative ids are refused); None when it can.  Checked before the batch
+    reaches user code, where an index out of range is a traceback (torch) or, worse, wraps
+    around (numpy's ``E[-100]``)."""
+    if (tokens is None) != (targets is None):
+        return "tokens and targets go together: give both or neither"
+    if tokens is None or targets is None:
+        return None
+    if not tokens:
+        return "the batch is empty: give at least one token and target"
+    if len(tokens) != len(targets):
+        return f"{len(tokens)} tokens but {len(targets)} targets; they must match"
+    top = V if V is not None else max(*tokens, *targets) + 1
+    bad_tokens = sorted({t for t in tokens if not 0 <= t < top})
+    bad_targets = sorted({t for t in targets if not 0 <= t < top and t != ignore_index})
+    if not bad_tokens and not bad_targets:
+        return None
+    parts = ([f"tokens {bad_tokens}"] if bad_tokens else []) + \
+        ([f"targets {bad_targets}"] if bad_targets else [])
+    ignored = "" if ignore_index is None else f" (a target may also be {ignore_index}, ignored)"
+    where = "must be >= 0" if V is None else f"must be in [0, {V}) for V={V}"
+    return f"token ids {where}{ignored}; got {' and '.join(parts)}"
+
+
+#: Keys of a linear-ce case's ``ce`` string that say how its batch is drawn (the kernel's
+#: options are ``kinds.linear_ce.kind.OPTION_NAMES``), and the values each takes: a
+#: number, or one of the words listed.
+CE_BATCH_KEYS: dict[str, tuple[str, ...]] = {"ignored": (), "logits": (), "target": ("same",)}
+#: The kernel options whose value is a word, not a number.
+CE_WORDS: dict[str, tuple[str, ...]] = {"reduction": ("mean", "sum", "none"),
+                                        "ce_weight": ("drawn",)}
+
+
+def ce_problem(text: str) -> str | None:
+    """Why a linear-ce ``ce`` string (a replay's ``ce=...``) is not one tyingspec can run: a
+    part that is not ``key=value``, a key it does not know (``logit_scal=0.0625``, which would
+    otherwise be dropped silently and the case run without the option), a key given twice,
+    or a value of the wrong sort; None when it is usable."""
+    known = [*OPTION_NAMES, *CE_BATCH_KEYS]
+    seen: set[str] = set()
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            return f"ce: expected key=value parts separated by commas, got {part!r}"
+        if key not in known:
+            return f"ce: unknown option {key!r}; known: {', '.join(known)}"
+        if key in seen:
+            return f"ce: {key} given twice"
+        seen.add(key)
+        words = CE_WORDS.get(key, CE_BATCH_KEYS.get(key, ()))
+        if key == "ignore_index":  # a class id, -100, or "vocab" (drawn from the vocabulary)
+            if value != "vocab" and not value.lstrip("-").isdigit():
+                return f"ce: ignore_index expects an integer or vocab, got {value!r}"
+        elif words:
+            if value not in words:
+                return f"ce: {key} expects {' or '.join(words)}, got {value!r}"
+        else:
+            try:
+                number = float(value)
+            except ValueError:
+                return f"ce: {key} expects a number, got {value!r}"
+            if number != number or number in (float("inf"), float("-inf")):
+                return f"ce: {key} expects a finite number, got {value!r}"
+    return None
+
+
+def ce_ignore_index(text: str) -> int:
+    """The target id a ``ce`` string's batch may hold for an ignored token: its
+    ``ignore_index`` when that is an integer, else -100 (Liger's and torch's default)."""
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key == "ignore_index" and value.lstrip("-").isdigit():
+            return int(value)
+    return -100
+
+
+def closed_form(batch: Batch, dtype: str = "float64") -> Paths:
+    """The closed-form reference paths of a batch, computed in ``dtype`` (float64 unless the
+    engine says a float32 reference is enough; see :func:`working_dtype`)."""
+    def cast(a: Array) -> Array:
+        out: Array = a.astype(dtype, copy=False)
+        return out
+
+    return closed_form_paths(cast(batch.E), cast(batch.W),
+                             None if batch.b is None else cast(batch.b),
+                             batch.tokens, batch.targets, batch.res, batch.s_in)
+
+
+#: Above this many multiply-adds in one product (V*d*N), a reference for a check judged at
+#: float32 or below is computed in float32: its rounding is the second of the two unit
+#: roundoffs the bound allows (C = 2 in _tolerance), and a float64 reference would cost
+#: several times the implementation it checks.  Smaller shapes always use float64.
+FLOAT32_REFERENCE_ABOVE = 2**24
+
+
+def working_dtype(size: int, precision: str) -> str:
+    """The dtype the reference is computed in for a product of ``size`` multiply-adds."""
+    return "float32" if precision != "float64" and size > FLOAT32_REFERENCE_ABOVE else "float64"
+
+
+#: The SGD step ``tyingspec check`` and ``tie_survives_a_step`` take: the entry of E with the
+#: largest gradient moves by this much.
+SGD_STEP = 0.1
+
+
+def sgd_step(batch: Batch, dE: Array, step: float = SGD_STEP) -> tuple[Batch, float] | None:
+    """The batch at ``E - lr * dE`` (W and b kept), with ``lr`` chosen so the largest entry of
+    E moves by ``step``; None when ``dE`` is zero and the step would not move E."""
+    dE = np.asarray(dE)
+    # max |dE| without an |dE| temporary: at V = 50257 each [V, d] one is a fresh 154 MB
+    peak = max(float(dE.max()), -float(dE.min())) if dE.size else 0.0
+    if peak == 0.0:
+        return None
+    lr = step / peak
+    # in E's own precision, as an optimizer steps it (a float64 copy of a GPT-2-size E costs
+    # seconds), in one [V, d] array: E + (-lr) dE is bit for bit E - lr dE (negation is exact)
+    dt = batch.E.dtype
+    E1 = np.multiply(dE, np.asarray(-lr, dtype=dt), dtype=dt, casting="same_kind",
+                     out=memory.empty(dE.shape, dt))
+    E1 += batch.E
+    return replace(batch, E=E1), lr
+
+
+#: Shapes up to this many entries of E use the sympy reference.  The derivation compiles in
+#: under 0.35 s for each such (V, d, bias) (about 4 s for all of them, once per process); the
+#: full symbolic range (V*d <= 12) costs ~36 s per process, too much for a property run.
+SYMBOLIC_ENTRIES = 6
+
+
+def model_reference(batch: Batch, precision: str = "float64") -> Paths:
+    """The reference a model is judged against at ``precision``: sympy-derived paths on small
+    shapes, the closed form beyond them (float64, or float32 at large shapes judged at float32
+    or below)."""
+    if batch.E.size > SYMBOLIC_ENTRIES:
+        paths = closed_form(batch, working_dtype(batch.E.size * batch.tokens.shape[0],
+                                                 precision))
+    else:
+        from tyingspec._src.core.symbolic import symbolic_paths
+
+        paths = symbolic_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),
+                               None if batch.b is None else batch.b.astype(np.float64),
+                               batch.tokens, batch.targets, batch.res, batch.s_in)
+    return padded(paths, batch.padding_idx)
+
+
+def padded(paths: Paths, padding_idx: int | None) -> Paths:
+    """``paths`` under nn.Embedding(padding_idx=p) semantics: positions reading row p add
+    nothing to the input path (their forward is unchanged); the output path is untouched."""
+    if padding_idx is None:
+        return paths
+    rows = np.array(paths.per_position, copy=True)
+    at_pad = np.asarray(paths.tokens) == padding_idx
+    pad_input = np.asarray(rows[at_pad], dtype=np.float64).sum(axis=0)
+    rows[at_pad] = 0
+    sketch = None if paths.sketch is None else paths.sketch.with_exact(np.array([padding_idx]))
+    return replace(paths, per_position=rows, padding_idx=padding_idx, sketch=sketch,
+                   pad_input=pad_input,
+                   dE_in=input_path(np.asarray(paths.tokens), rows, paths.dE_in.shape[0],
+                                    factored=sketch is not None))
+
+
+def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
+                 precision: str = "float64", *, sketch: bool | None = None) -> Paths:
+    """The reference of a kernel on the inputs it was handed (float64, or float32 at large
+    shapes judged at float32 or below; absent rows through projections above
+    ``SKETCH_ABOVE``, or as ``sketch`` says)."""
+    n, d = h.shape
+    dt = working_dtype(V * d * n, precision)
+    rows = np.asarray(dx, dtype=dt)
+    drawn = draw_directions(V, d, n, tokens, None, sketch)
+    terms, projected = kernel_terms(tokens, dx, h, g, V, None if drawn is None else drawn[0])
+    dE_in, dE_out, judged = two_paths(tokens, rows, np.asarray(g, dtype=dt),
+                                      np.asarray(h, dtype=dt), V,
+                                      np.unique(tokens).astype(np.int64), drawn, projected)
+    return Paths(loss=0.0, dE_in=dE_in, dE_out=dE_out, dW=np.zeros((0, 0)), db=None,
+                 per_position=rows, tokens=tokens, terms=terms, sketch=judged)
+
+
+# --- the linear-ce part of a case -------------------------------------------------------------
+# A case's ``ce`` string belongs to the case format every front end parses and replays, so its
+# options and draws live here, with the case; the linear-ce kind reads them from here.
+
+IGNORE_INDEX = -100
+#: The kernel options, as Liger's constructor names them (plus logit_scale).
+OPTION_NAMES = ("logit_scale", "softcap", "label_smoothing", "lse_square_scale", "ignore_index",
+                "reduction", "ce_weight")
+REDUCTION_VALUES: tuple[str, ...] = ("mean", "sum", "none")
+#: Tokens per chunk when a case ignores a whole chunk (a fused kernel's block is rarely 7).
+CHUNK = 7
+
+
+def ce_options(text: str) -> dict[str, str]:
+    """``"logit_scale=0.0625,ignored=0.25"`` as a dict (values as written)."""
+    out: dict[str, str] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"linear-ce option {part!r}: expected key=value")
+        out[key] = value
+    return out
+
+
+def drawn_ignore_index(case: Case) -> int:
+    """The case's ignore_index: as written (``ignore_index=-100``), a class of the vocabulary
+    (``ignore_index=vocab``, as a pad token id is), or, unset, either, from the case's seed.
+    Drawn so that a kernel that hard-codes -100 is caught; never another negative value, so
+    that every replayed target is in [0, V) or -100 (what ``tyingspec check --targets``
+    takes).  Its own stream: the case's other draws are those of the same case without it."""
+    value = ce_options(case.ce).get("ignore_index")
+    rng = np.random.default_rng([case.seed, 8])
+    if value is None:
+        value = "-100" if rng.random() < 0.5 else "vocab"
+    return int(rng.integers(case.V)) if value == "vocab" else int(value)
+
+
+def with_ce(batch: Batch, case: Case, *, explicit: bool) -> Batch:
+    """The batch's linear-ce draws: ignored targets (at the drawn ignore_index), class weights,
+    grad_output (their own stream from the case seed, so the other arrays are those of the
+    same case without them).  The batch's ``ce`` carries the ignore_index it was drawn with."""
+    opts = ce_options(case.ce)
+    rng = np.random.default_rng([case.seed, 7])
+    targets = batch.targets
+    N, V = targets.shape[0], batch.E.shape[0]
+    ce = case.ce
+    if "ignored" in opts or "ignore_index" in opts:
+        ignore_index = drawn_ignore_index(case)
+        ce = ",".join([f"{k}={v}" for k, v in opts.items() if k != "ignore_index"]
+                      + [f"ignore_index={ignore_index}"])
+    if "ignored" in opts and not explicit:
+        fraction = float(opts["ignored"])
+        targets = targets.copy()
+        ignored = np.zeros(N, dtype=bool)
+        if fraction > 0:
+            ignored[:min(CHUNK, N)] = True  # a whole chunk of ignored tokens
+            ignored |= rng.random(N) < fraction
+        if fraction >= 1:
+            ignored[:] = True
+        targets[ignored] = ignore_index
+    if opts.get("target") == "same" and not explicit:
+        targets = np.full_like(targets, targets[0])
+    dt = batch.E.dtype
+    weight = np.asarray(rng.uniform(0.5, 2.0, size=V), dtype=dt) \
+        if "ce_weight" in opts else None
+    grad_output = np.asarray(rng.normal(size=N) + 1.5, dtype=dt) \
+        if opts.get("reduction") == "none" else None
+    return replace(batch, targets=targets, ce=ce, ce_weight=weight,
+                   grad_output=grad_output)

@@ -1,0 +1,724 @@
+"""Diagnosis: compare an implementation's dE with the two-path reference and say what is wrong.
+
+The reference is split into ``dE_in`` (input path, sparse) and ``dE_out`` (output path, dense),
+so a wrong matrix can be explained as a combination of them: a path missing, a path scaled, the
+input path overwriting the output path, or repeated tokens losing occurrences.  The checker also
+asks whether its own example *could* have told those apart from a correct gradient ("power").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tyingspec._src.core.labels import (
+    LABELS as LABELS,  # re-exported: tyingspec.LABELS and the tests read it here
+)
+from tyingspec._src.core.labels import Label as Label
+from tyingspec._src.core.paths import Array, Paths, Sketch
+from tyingspec._src.core.tolerance import Precision, Tolerance, precision_of, row_tolerance
+
+if TYPE_CHECKING:
+    from tyingspec._src.core.findings import Finding
+
+#: Labels that say less than a catalogue or path label: a run that also reached one of those is
+#: named by it (an example with every row present cannot say which path is wrong).
+_UNINFORMATIVE = ("unknown", "no_power")
+
+#: A label that is a special case of another: where a run's examples reached both, the general
+#: one names the run (dx missing a term is "input path missing" on an example with res = 0).
+_SPECIAL_OF: dict[str, str] = {"input_path_missing": "input_path_wrong",
+                               "duplicates_not_accumulated": "input_path_wrong",
+                               "output_path_missing": "output_path_wrong"}
+
+
+def run_label(labels: Sequence[str]) -> str:
+    """The label of a run (``tyingspec check``'s cases, the plugin's properties) from the labels
+    of its wrong examples, so that both front ends name one bug alike: the most frequent
+    informative label, a special case counted as its general label when both were seen, and a
+    tie going to the label seen first (never to a set's order, which follows PYTHONHASHSEED)."""
+    pool = [x for x in labels if x not in _UNINFORMATIVE] or list(labels)
+    if not pool:
+        return "unknown"
+    seen = set(pool)
+    pool = [_SPECIAL_OF[x] if _SPECIAL_OF.get(x) in seen else x for x in pool]
+    return max(pool, key=pool.count)
+
+
+@dataclass(frozen=True)
+class ArrayCheck:
+    """numpy.testing-style comparison result for one returned array."""
+
+    name: str
+    ok: bool
+    mismatched: int
+    size: int
+    max_abs_error: float
+    max_rel_error: float
+    tolerance: Tolerance
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"{self.name}: ok ({self.tolerance.describe()})"
+        share = 100.0 * self.mismatched / max(self.size, 1)
+        return (f"{self.name}: {self.mismatched} of {self.size} entries differ ({share:.1f}%); "
+                f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g} "
+                f"under {self.tolerance.describe()}")
+
+
+def _errors(actual: Array, expected: Array) -> tuple[float, float]:
+    diff = np.abs(actual - expected)
+    if diff.size == 0:
+        return 0.0, 0.0
+    nz = np.abs(expected) > 0
+    rel = float(np.max(diff[nz] / np.abs(expected[nz]))) if nz.any() else 0.0
+    return float(diff.max()), rel
+
+
+def compare(name: str, actual: Any, expected: Any, tol: Tolerance) -> ArrayCheck:
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    ok = tol.close(a, e)
+    mx_abs, mx_rel = _errors(a, e)
+    return ArrayCheck(name, bool(ok.all()), int((~ok).sum()), int(ok.size), mx_abs, mx_rel, tol)
+
+
+@dataclass(frozen=True)
+class Power:
+    """Whether this example would have caught each kind of bug (False = vacuous for it)."""
+
+    input_path: bool
+    output_path: bool
+    duplicates: bool | None  # None: the batch has no repeated token
+
+    def as_dict(self) -> dict[str, bool | None]:
+        return {"input_path": self.input_path, "output_path": self.output_path,
+                "duplicates": self.duplicates}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What is wrong with an implementation's dE on one batch, and where."""
+
+    label: Label
+    detail: str
+    rows_total: int
+    rows_wrong: int
+    wrong_rows: list[int]
+    present_rows: list[int]
+    repeated_rows: dict[int, int]  # row -> multiplicity, for tokens seen more than once
+    row_causes: dict[str, list[int]]
+    max_abs_error: float
+    max_rel_error: float
+    tolerance: Tolerance
+    power: Power
+    scales: tuple[float, float] | None = None  # fitted (input, output) factors
+    others: list[ArrayCheck] = field(default_factory=list)
+    margin: float = 0.0  # worst row's error / its bound (<= 1: within)
+    findings: tuple[Finding, ...] = ()  # named checks beyond rows (the torch kind's)
+    rows_label: Label | None = None  # the rows' own label when a finding decided ``label``
+    rows_projected: int = 0  # rows judged through projections (see core.paths.Sketch)
+
+    @property
+    def precision(self) -> str:
+        return self.tolerance.dtype
+
+    @property
+    def rows_exact(self) -> int:
+        return self.rows_total - self.rows_wrong
+
+    @property
+    def ok(self) -> bool:
+        return self.label == "correct"
+
+    @property
+    def wrong(self) -> bool:
+        return self.label not in ("correct", "no_power")
+
+    def headline(self) -> str:
+        return LABELS[self.label] + (f" ({self.detail})" if self.detail else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "detail": self.detail,
+            "rows_total": self.rows_total,
+            "rows_wrong": self.rows_wrong,
+            "rows_exact": self.rows_exact,
+            "wrong_rows": list(self.wrong_rows),
+            "present_rows": list(self.present_rows),
+            "repeated_rows": {str(k): v for k, v in self.repeated_rows.items()},
+            "row_causes": {k: list(v) for k, v in self.row_causes.items()},
+            "max_abs_error": self.max_abs_error,
+            "max_rel_error": self.max_rel_error,
+            "precision": self.precision,
+            "margin": self.margin,
+            "rows_projected": self.rows_projected,
+            "rtol": self.tolerance.rtol,
+            "power": self.power.as_dict(),
+            "scales": None if self.scales is None else list(self.scales),
+            "others": [{"name": c.name, "ok": c.ok, "max_abs_error": c.max_abs_error,
+                        "max_rel_error": c.max_rel_error} for c in self.others],
+            **({"checks": [f.to_json() for f in self.findings]} if self.findings else {}),
+        }
+
+
+@dataclass(frozen=True)
+class _Scan:
+    row_ratio: np.ndarray  # [V] each row's worst |error| / allowance
+    margin: float
+    max_abs: float
+    max_rel: float
+    output_power: bool  # some |dE_out| entry exceeds its allowance (dropping it would show)
+
+
+#: Rows per block of the scan: a few MB per temporary, so a check at V = 50257 does not
+#: allocate (and page in) a dozen 300 MB float64 matrices.
+_BLOCK = 512
+
+
+def _scan(actual: np.ndarray, d_in: np.ndarray, d_out: np.ndarray, tol: Tolerance) -> _Scan:
+    """The verdict's numbers in one blocked pass over the rows: in float32 when every array is
+    float32 (its own rounding, ~u|e|, is far inside a bound of 2u(k a + max a) with k > 1),
+    else in float64."""
+    V = actual.shape[0]
+    row_ratio = np.zeros(V)
+    mx_abs = mx_rel = 0.0
+    out_power = False
+    low = tol.dtype != "float64" and all(x.dtype == np.float32 for x in (actual, d_in, d_out))
+    ct: np.dtype[Any] = np.dtype(np.float32 if low else np.float64)
+    tiny = np.finfo(ct).tiny
+    atol_all = np.asarray(tol.atol, dtype=ct)
+    for s in range(0, V, _BLOCK):
+        e = min(V, s + _BLOCK)
+        a = actual[s:e].astype(ct, copy=False)
+        do = d_out[s:e].astype(ct, copy=False)
+        ref = d_in[s:e].astype(ct, copy=False) + do
+        abs_ref = np.abs(ref)
+        atol = atol_all[s:e] if atol_all.ndim else atol_all
+        allow = np.maximum(atol + ct.type(tol.rtol) * abs_ref, tiny)
+        diff = np.abs(a - ref)
+        row_ratio[s:e] = (diff / allow).max(axis=1, initial=0.0)
+        mx_abs = max(mx_abs, float(diff.max(initial=0.0)))
+        nz = abs_ref > 0
+        if nz.any():
+            with np.errstate(over="ignore"):  # a subnormal reference: the ratio is inf, as it is
+                mx_rel = max(mx_rel, float((diff[nz] / abs_ref[nz]).max()))
+        out_power = out_power or bool((np.abs(do) > allow).any())
+    return _Scan(row_ratio, float(row_ratio.max(initial=0.0)), mx_abs, mx_rel, out_power)
+
+
+def _rows_close(tol: Tolerance, actual: Array, expected: Array) -> np.ndarray:
+    rows: np.ndarray = np.asarray(tol.close(actual, expected).all(axis=1))
+    return rows
+
+
+def _row_atol(tol: Tolerance, V: int) -> np.ndarray:
+    """The absolute part of each row's bound, as a [V] float64 array."""
+    return np.broadcast_to(np.asarray(tol.atol, dtype=np.float64).reshape(-1), (V,))
+
+
+class _Dense:
+    """Every row of dE compared entry by entry; whole float64 matrices only once something is
+    wrong and must be explained (a correct gradient is judged by the block scan alone)."""
+
+    def __init__(self, raw: np.ndarray, paths: Paths, tol: Tolerance) -> None:
+        self.raw, self.tol = raw, tol
+        self.din, self.dout = np.asarray(paths.dE_in), np.asarray(paths.dE_out)
+        self.scan = _scan(raw, self.din, self.dout, tol)
+        self.projected = 0
+
+    def rows(self, which: str, rows: np.ndarray) -> Array:
+        """Rows of ``actual``, ``in`` or ``out`` in float64."""
+        a = {"actual": self.raw, "in": self.din, "out": self.dout}[which]
+        out: Array = np.asarray(a[rows], dtype=np.float64)
+        return out
+
+    @cached_property
+    def _whole(self) -> tuple[Array, Array, Array]:
+        return (self.raw.astype(np.float64), self.din.astype(np.float64),
+                self.dout.astype(np.float64))
+
+    def lin_ok(self, x: float, y: float) -> np.ndarray:
+        """Per row: is it within its bound of ``x dE_in + y dE_out``?"""
+        actual, d_in, d_out = self._whole
+        return _rows_close(self.tol, actual, x * d_in + y * d_out)
+
+    def fit(self) -> tuple[float, float]:
+        return _fit_scales(*self._whole)
+
+    def columns(self) -> tuple[Array, Array, Array]:
+        """``actual``, ``dE_in`` and ``dE_out`` as flat float64 vectors (for the fits)."""
+        actual, d_in, d_out = self._whole
+        return actual.reshape(-1), d_in.reshape(-1), d_out.reshape(-1)
+
+
+def _projected(rows: np.ndarray, sketch: Sketch) -> Array:
+    """``rows @ Z`` in float64: the sampled columns read out as they are (exact), the
+    Gaussian directions summed in float64, a few MB of rows at a time."""
+    n = sketch.columns.shape[0]
+    out = np.empty((rows.shape[0], sketch.Z.shape[1]))
+    out[:, :n] = rows[:, sketch.columns]
+    gaussian = sketch.Z[:, n:]
+    for s in range(0, rows.shape[0], 8 * _BLOCK):
+        out[s:s + 8 * _BLOCK, n:] = np.asarray(rows[s:s + 8 * _BLOCK], np.float64) @ gaussian
+    return out
+
+
+class _Sketched:
+    """The rows of ``sketch.exact`` entry by entry, every other row (which carries the output
+    path alone) through the sketch's projections (see ``core.paths.Sketch``)."""
+
+    def __init__(self, raw: np.ndarray, paths: Paths, sketch: Sketch, tol: Tolerance) -> None:
+        V = raw.shape[0]
+        self.tol = tol
+        self.exact = sketch.exact
+        self.a_e = np.asarray(raw[self.exact], dtype=np.float64)
+        self.i_e = paths.in_rows(self.exact)
+        self.o_e = paths.out_rows(self.exact)
+        atol = _row_atol(tol, V)
+        self.atol_e = atol[self.exact][:, None]
+        mask = np.ones(V, dtype=bool)
+        mask[self.exact] = False
+        self.sk = np.flatnonzero(mask)
+        self.projected = int(self.sk.shape[0])
+        self.p_a = _projected(raw, sketch)[self.sk]
+        self.p_o, self.mag = sketch.out[self.sk], sketch.mag[self.sk]
+        self.atol_s = atol[self.sk][:, None] * np.abs(sketch.Z).sum(axis=0)[None, :]
+        self.scan = self._scan(V)
+
+    # Both parts are compared a block of rows at a time: whole-part temporaries are 12 MB
+    # each at GPT-2 size, and every fresh one costs its page faults again.
+
+    def _allow_e(self, expected: Array, rows: slice) -> Array:
+        out: Array = np.maximum(self.atol_e[rows] + self.tol.rtol * np.abs(expected),
+                                np.finfo(np.float64).tiny)
+        return out
+
+    def _allow_s(self, y: float, rows: slice) -> Array:
+        out: Array = np.maximum(self.atol_s[rows] + self.tol.rtol * abs(y) * self.mag[rows],
+                                np.finfo(np.float64).tiny)
+        return out
+
+    def _blocks(self, part: np.ndarray) -> list[slice]:
+        # a few MB per temporary: 512 exact rows of d entries, 8 x 512 projected ones
+        n = _BLOCK if part is self.exact else 8 * _BLOCK
+        return [slice(s, s + n) for s in range(0, part.shape[0], n)]
+
+    def _scan(self, V: int) -> _Scan:
+        row_ratio = np.zeros(V)
+        mx_abs = mx_rel = 0.0
+        out_power = False
+        for b in self._blocks(self.exact):
+            ref = self.i_e[b] + self.o_e[b]
+            diff = np.abs(self.a_e[b] - ref)
+            allow = self._allow_e(ref, b)
+            row_ratio[self.exact[b]] = (diff / allow).max(axis=1, initial=0.0)
+            nz = np.abs(ref) > 0
+            if nz.any():
+                mx_rel = max(mx_rel, float((diff[nz] / np.abs(ref[nz])).max()))
+            mx_abs = max(mx_abs, float(diff.max(initial=0.0)))
+            out_power = out_power or bool((np.abs(self.o_e[b]) > allow).any())
+        for b in self._blocks(self.sk):
+            allow_s = self._allow_s(1.0, b)
+            row_ratio[self.sk[b]] = (np.abs(self.p_a[b] - self.p_o[b]) / allow_s).max(
+                axis=1, initial=0.0)
+            out_power = out_power or bool((np.abs(self.p_o[b]) > allow_s).any())
+        return _Scan(row_ratio, float(row_ratio.max(initial=0.0)), mx_abs, mx_rel, out_power)
+
+    def rows(self, which: str, rows: np.ndarray) -> Array:
+        """Rows of ``actual``, ``in`` or ``out`` in float64 (rows compared entry by entry)."""
+        at = np.searchsorted(self.exact, rows)
+        assert np.array_equal(self.exact[at], rows), "rows outside the exact rows"
+        return {"actual": self.a_e, "in": self.i_e, "out": self.o_e}[which][at]
+
+    def lin_ok(self, x: float, y: float) -> np.ndarray:
+        """Per row: is it within its bound of ``x dE_in + y dE_out``?  (dE_in is zero on the
+        projected rows: they are the tokens absent from the batch.)"""
+        ok = np.zeros(self.exact.shape[0] + self.sk.shape[0], dtype=bool)
+        for b in self._blocks(self.exact):
+            cand = x * self.i_e[b] + y * self.o_e[b]
+            ok[self.exact[b]] = (np.abs(self.a_e[b] - cand) <= self._allow_e(cand, b)).all(axis=1)
+        for b in self._blocks(self.sk):
+            ok[self.sk[b]] = (np.abs(self.p_a[b] - y * self.p_o[b])
+                              <= self._allow_s(y, b)).all(axis=1)
+        return ok
+
+    def fit(self) -> tuple[float, float]:
+        A = np.concatenate([np.stack([self.i_e.reshape(-1), self.o_e.reshape(-1)], axis=1),
+                            np.stack([np.zeros(self.p_o.size), self.p_o.reshape(-1)], axis=1)])
+        b = np.concatenate([self.a_e.reshape(-1), self.p_a.reshape(-1)])
+        coef, *_ = np.linalg.lstsq(A, b, rcond=None)
+        return float(coef[0]), float(coef[1])
+
+    def columns(self) -> tuple[Array, Array, Array]:
+        """The exact rows entry by entry, then the projected rows (where dE_in is zero)."""
+        return (np.concatenate([self.a_e.reshape(-1), self.p_a.reshape(-1)]),
+                np.concatenate([self.i_e.reshape(-1), np.zeros(self.p_o.size)]),
+                np.concatenate([self.o_e.reshape(-1), self.p_o.reshape(-1)]))
+
+
+def _simple(x: float, n: int) -> bool:
+    """Whether ``x`` is a number a stray factor is made of: an integer or the reciprocal of one
+    up to 64, or the batch's N or 1/N (a sum where a mean was meant)."""
+    return any(math.isclose(x, v, rel_tol=1e-9) or math.isclose(x, 1 / v, rel_tol=1e-9)
+               for v in (*range(2, 65), n))
+
+
+def _one_factor(view: _Dense | _Sketched, *, simple_only: int = 0) -> tuple[float, float] | None:
+    """The stray factor of ``path_scaled``: one positive number that puts every row within its
+    bound of ``a dE_in + dE_out`` (the input path scaled), ``dE_in + c dE_out`` (the output
+    path) or ``k (dE_in + dE_out)`` (both alike, e.g. averaged).  Two free factors fit far too
+    much (on a small batch any wrong row is some mix of the two paths), and a negative or zero
+    one is not a scale but another bug; so a fit of that kind is no explanation, and None.
+    ``simple_only`` (the batch's N) keeps only a simple factor (see :func:`_simple`): with one
+    wrong entry any factor fits, and only a simple one is more than a coincidence."""
+    actual, d_in, d_out = view.columns()
+
+    def along(direction: Array, rest: Array) -> float:
+        norm = float(direction @ direction)
+        return float(direction @ (actual - rest)) / norm if norm > 0 else math.nan
+
+    both = d_in + d_out
+    candidates = (("in", along(d_in, d_out)), ("out", along(d_out, d_in)),
+                  ("both", along(both, np.zeros_like(both))))
+    for which, k in candidates:
+        # Least squares leaves a factor ~1e-15 off, which a float64 row bound can notice:
+        # a stray factor is a simple number (x16, x0.5, xN), so try it rounded first.
+        for f in (float(f"{k:.6g}"), k) if math.isfinite(k) else ():
+            if f <= 0 or abs(f - 1) < 1e-12 or (simple_only and not _simple(f, simple_only)):
+                continue
+            x, y = {"in": (f, 1.0), "out": (1.0, f), "both": (f, f)}[which]
+            if bool(view.lin_ok(x, y).all()):
+                return x, y
+    return None
+
+
+#: Occurrences of one token beyond which the subsets of them are not enumerated (2^12 sums).
+_SUBSET_LIMIT = 12
+
+
+def _holds_some_occurrences(paths: Paths, row: int, actual: Array, out: Array,
+                            tol: Tolerance) -> int | None:
+    """How many of ``row``'s occurrences its dE holds (with its output path), when one of them
+    (at any count) or some proper, non-empty subset of them (up to ``_SUBSET_LIMIT``) explains
+    it within the bound; else None.  A racy or partial scatter loses some occurrences; only such
+    a row is a duplicates bug (one that lost all of them is a masked row)."""
+    where = np.flatnonzero(paths.tokens == row)
+    c = where.shape[0]
+    if c < 2:
+        return None
+    # one occurrence, at any count: index_copy_ / index_put_(accumulate=False) keep one of them
+    one = paths.per_position[where].astype(np.float64) + out
+    if tol.close(np.broadcast_to(actual, one.shape), one).all(axis=1).any():
+        return 1
+    if c > _SUBSET_LIMIT:
+        return None
+    pick = (np.arange(1, 2 ** c - 1)[:, None] >> np.arange(c)[None, :]) & 1  # proper subsets
+    sums = pick.astype(np.float64) @ paths.per_position[where].astype(np.float64) + out
+    fit = tol.close(np.broadcast_to(actual, sums.shape), sums).all(axis=1)
+    return int(pick[np.flatnonzero(fit)[0]].sum()) if fit.any() else None
+
+
+def _wrong_entries(view: _Dense | _Sketched, wrong_rows: list[int], tol: Tolerance) -> int:
+    """How many entries of the wrong rows are outside their bound (three at least when a row
+    is not compared entry by entry: a projected row is only ever wrong at large d)."""
+    rows = np.asarray(wrong_rows, dtype=np.int64)
+    if isinstance(view, _Sketched) and not np.isin(rows, view.exact).all():
+        return max(3, len(wrong_rows))
+    expected = view.rows("in", rows) + view.rows("out", rows)
+    return int((~tol.rows(rows).close(view.rows("actual", rows), expected)).sum())
+
+
+def _overwritten_rows(view: _Dense | _Sketched, paths: Paths, present: np.ndarray,
+                      tol: Tolerance) -> list[int] | None:
+    """When every present row holds its input path alone, or (a repeated token) exactly one
+    of its occurrences alone: the repeated rows that hold one occurrence.  Else None."""
+    actual = view.rows("actual", present)
+    whole = tol.rows(present).close(actual, view.rows("in", present)).all(axis=1)
+    single: list[int] = []
+    for i in np.flatnonzero(~whole):
+        r = int(present[i])
+        occ = paths.per_position[paths.tokens == r].astype(np.float64)
+        if occ.shape[0] < 2 or not tol.rows(np.array([r])).close(
+                np.broadcast_to(actual[i], occ.shape), occ).all(axis=1).any():
+            return None
+        single.append(r)
+    return single
+
+
+def misrouted_input_fits(paths: Paths, rows: np.ndarray, residuals: Array,
+                         tol: Tolerance) -> bool:
+    """Whether each of the absent ``rows``' ``residuals`` (dE minus the reference) could be dx
+    of some positions scattered into that row instead of into its token's: a subset sum of the
+    positions' input-path contributions, within the row's bound.  Beyond ``_SUBSET_LIMIT``
+    positions the subsets are not enumerated: any residual is taken to fit."""
+    n = paths.tokens.shape[0]
+    if n > _SUBSET_LIMIT:
+        return True
+    pick = (np.arange(1, 2 ** n)[:, None] >> np.arange(n)[None, :]) & 1
+    sums = pick.astype(np.float64) @ paths.per_position.astype(np.float64)
+    return all(bool(tol.rows(rows[i:i + 1]).close(np.broadcast_to(r, sums.shape), sums)
+                    .all(axis=1).any())
+               for i, r in enumerate(np.asarray(residuals, np.float64)))
+
+
+def _occurrence_variants(paths: Paths, rows: np.ndarray) -> dict[str, Array]:
+    """On ``rows`` (repeated tokens): the input path built from one occurrence per token, the
+    shapes duplicate bugs take (buffered ``a[idx] += v`` keeps the last, others the first)."""
+    t = paths.tokens
+    uniq, first = np.unique(t, return_index=True)
+    last = t.shape[0] - 1 - np.unique(t[::-1], return_index=True)[1]
+    where = np.searchsorted(uniq, rows)
+    return {
+        "first occurrence only": paths.per_position[first[where]].astype(np.float64),
+        "last occurrence only": paths.per_position[last[where]].astype(np.float64),
+    }
+
+
+def _fit_scales(actual: Array, d_in: Array, d_out: Array) -> tuple[float, float]:
+    A = np.stack([d_in.reshape(-1), d_out.reshape(-1)], axis=1)
+    coef, *_ = np.linalg.lstsq(A, actual.reshape(-1), rcond=None)
+    return float(coef[0]), float(coef[1])
+
+
+def _describe_scales(a: float, c: float) -> str:
+    def name(x: float) -> str:
+        for v, word in ((2.0, "doubled"), (0.5, "halved")):
+            if abs(x - v) < 1e-6:
+                return word
+        return f"x{x:.6g}"
+
+    if abs(a - 0.5) < 1e-6 and abs(c - 0.5) < 1e-6:
+        return "both paths x0.5: averaged instead of summed"
+    parts = []
+    if abs(a - 1) > 1e-9:
+        parts.append(f"input path {name(a)}")
+    if abs(c - 1) > 1e-9:
+        parts.append(f"output path {name(c)}")
+    return ", ".join(parts)
+
+
+def diagnose(
+    dE: Any,
+    paths: Paths,
+    *,
+    dtype: object = None,
+    others: list[ArrayCheck] | None = None,
+    mutated: tuple[str, ...] = (),
+) -> Diagnosis:
+    """Compare ``dE`` with the reference ``paths`` row by row and name what is wrong.
+
+    ``dtype`` is the precision the implementation is judged at (it sets each row's rounding
+    bound, see :mod:`core.tolerance`); it defaults to the dtype of ``dE``.  ``others``
+    are checks of the other outputs and ``mutated`` the names of inputs the implementation
+    wrote into; either turns a right dE into a wrong verdict.
+    """
+    raw = np.asarray(dE)
+    V = raw.shape[0]
+    precision: Precision = precision_of(dtype if dtype is not None else raw.dtype)
+    tol = row_tolerance(paths.bound_terms, precision)
+    tokens = paths.tokens
+    uniq, counts = np.unique(tokens, return_counts=True)
+    repeated = {int(u): int(c) for u, c in zip(uniq, counts) if c > 1}
+
+    view: _Dense | _Sketched = _Dense(raw, paths, tol) if paths.sketch is None else \
+        _Sketched(raw, paths, paths.sketch, tol)
+    scan = view.scan
+    row_ok = scan.row_ratio <= 1.0
+    wrong_rows = [int(r) for r in np.flatnonzero(~row_ok)]
+    mx_abs, mx_rel = scan.max_abs, scan.max_rel
+
+    # Candidate explanations differ from the reference only on some rows (absent rows get no
+    # input path, so dropping it cannot show there): compare on those rows, reuse row_ok
+    # elsewhere.  At V = 50257 this keeps the diagnosis a few passes over dE, not dozens.
+    pres = uniq
+    rep = np.array(sorted(repeated), dtype=np.int64)
+
+    def on_rows(rows: np.ndarray, cand_rows: Array) -> np.ndarray:
+        return _rows_close(tol.rows(rows), view.rows("actual", rows), cand_rows)
+
+    def outside_ok(rows: np.ndarray) -> bool:
+        outside = row_ok.copy()
+        outside[rows] = True
+        return bool(outside.all())
+
+    def whole_on(rows: np.ndarray, cand_rows: Array) -> bool:
+        return outside_ok(rows) and bool(on_rows(rows, cand_rows).all())
+
+    variants = _occurrence_variants(paths, rep) if repeated else {}
+    dup_power = None
+    if repeated:
+        out_rep = view.rows("out", rep)
+        ref_rep = view.rows("in", rep) + out_rep
+        dup_power = any(not _rows_close(tol.rows(rep), v + out_rep, ref_rep).all()
+                        for v in variants.values())
+    out_pres = view.rows("out", pres)
+    power = Power(
+        input_path=not _rows_close(tol.rows(pres), out_pres,
+                                   view.rows("in", pres) + out_pres).all(),
+        output_path=scan.output_power,
+        duplicates=dup_power,
+    )
+
+    # Per-row causes: which explanation fits each wrong row.
+    causes: dict[str, list[int]] = {}
+    # rows that hold the output path alone / the input path alone (only asked when wrong)
+    nothing = np.zeros(V, dtype=bool)
+    only_out = view.lin_ok(0.0, 1.0) if wrong_rows else nothing
+    only_in = view.lin_ok(1.0, 0.0) if wrong_rows else nothing
+    rep_pos = {int(r): i for i, r in enumerate(rep)}
+    for r in wrong_rows:
+        cause = "unexplained"
+        if only_out[r]:
+            cause = "input path missing"
+        elif only_in[r]:
+            cause = "output path missing"
+        elif r in rep_pos:
+            row = np.array([r])
+            out_r = view.rows("out", row)
+            cause = next((f"duplicates: {k}" for k, v in variants.items()
+                          if on_rows(row, v[rep_pos[r]][None, :] + out_r).all()), cause)
+            if cause == "unexplained":  # e.g. a racy scatter: some, not all, occurrences
+                k = _holds_some_occurrences(paths, r, view.rows("actual", row)[0], out_r[0],
+                                            tol.rows(row))
+                cause = cause if k is None else f"duplicates: {k} of {repeated[r]} occurrences"
+        causes.setdefault(cause, []).append(r)
+
+    label: Label = "unknown"
+    detail, scales = "", None
+    present_rows = [int(u) for u in uniq]
+    if wrong_rows and not power.input_path and not power.output_path:
+        # Neither path is visible on this example, so no pattern of rows can say which one is
+        # wrong: never give a path label here (the rows are still wrong).
+        detail = ("this example cannot attribute wrong rows to a path (neither path exceeds "
+                  "the rounding bound); see the wrong rows")
+    elif not wrong_rows:
+        if not power.input_path or not power.output_path:
+            label = "no_power"
+            missing = [p for p, ok in (("input", power.input_path),
+                                       ("output", power.output_path)) if not ok]
+            detail = (f"dropping the {' or the '.join(missing)} path would pass here too; "
+                      "not counted as evidence")
+        else:
+            label = "correct"
+    elif outside_ok(pres) and bool(only_out[pres].all()):
+        label, detail = "input_path_missing", f"wrong on exactly the {_n(len(uniq), 'present row')}"
+    elif bool(only_in.all()):
+        label, detail = "output_path_missing", f"all {V} rows wrong"
+    elif outside_ok(pres) and bool(only_in[pres].all()):
+        label, detail = "output_path_overwritten", f"{_n(len(uniq), 'present row')} hold dE_in only"
+    else:
+        only_repeated = bool(repeated) and set(wrong_rows) <= set(repeated)
+        kept = [k for k, v in variants.items() if whole_on(rep, v + view.rows("out", rep))]
+        # One wrong entry fits any factor, and two can be one datum: each position's logit
+        # gradient sums to zero over the vocabulary, so dx moved from one row to another (V = 2,
+        # d = 1) is exactly the output path scaled.  Below three wrong entries only a simple
+        # factor (x2, x1/16, xN) is evidence of a scale.
+        scaled = _one_factor(view, simple_only=0 if _wrong_entries(view, wrong_rows, tol) >= 3
+                             else int(tokens.shape[0]))
+        # each wrong row holds some of its occurrences (see the per-row causes); the declared
+        # padding row aside, whose occurrences the reference leaves out by declaration (a
+        # scatter that keeps one occurrence, index_copy_, skips the padding mask too: it is
+        # named in the detail, not explained)
+        pad = paths.padding_idx
+        pad_unexplained = pad is not None and pad in causes.get("unexplained", []) and \
+            pad in repeated
+        # (a repeated row that lost every occurrence, beside rows that lost some, lost them to
+        # the same scatter)
+        partial = only_repeated and any(c.startswith("duplicates:") for c in causes) and all(
+            c.startswith("duplicates:") or c == "input path missing" or (
+                c == "unexplained" and pad_unexplained and causes[c] == [pad]) for c in causes)
+        overwritten = _overwritten_rows(view, paths, pres, tol) if outside_ok(pres) else None
+        if only_repeated and kept:
+            label = "duplicates_not_accumulated"
+        elif scaled is not None:
+            a, c = scaled
+            label, detail, scales = "path_scaled", _describe_scales(a, c), (a, c)
+            # Every wrong row is explained by the fitted factor: attribute them to it.
+            causes = {detail: [r for rows in causes.values() for r in rows]}
+        elif partial:
+            # e.g. a racy scatter: each wrong row holds some, not all, of its occurrences
+            label = "duplicates_not_accumulated"
+        elif overwritten is not None:
+            # llm.c's `dwte[ix] = d`, written position by position after the head's matmul:
+            # the output path and all but one occurrence of a repeated token are overwritten
+            label = "output_path_overwritten"
+            detail = (f"{_n(len(uniq), 'present row')} hold the input path only; repeated "
+                      f"tokens {overwritten} hold a single occurrence (each write replaced "
+                      "the row)")
+            causes = {"input path only (output path overwritten)":
+                      [r for r in wrong_rows if r not in overwritten],
+                      "a single occurrence only (output path overwritten)": list(overwritten)}
+            causes = {k: v for k, v in causes.items() if v}
+        if label == "duplicates_not_accumulated":
+            # Identical occurrences (same token, same target) fit both: say only what is known.
+            which = "one occurrence only" if len(kept) > 1 else (kept[0] if kept else "")
+            detail = (f"{which}; " if which else "") + "wrong rows are repeated tokens " + \
+                ", ".join(f"{r} (x{repeated[r]})" for r in wrong_rows)
+            if pad_unexplained:
+                detail += f"; the padding row {pad} got input path too (its mask skipped)"
+
+    present = np.zeros(V, dtype=bool)
+    present[uniq] = True
+    masked = set(causes) == {"input path missing"}
+    attributable = power.input_path or power.output_path
+    if label == "unknown" and attributable and (masked or not present.all()):
+        # Absent rows carry the output path alone, so the row pattern says which path is wrong;
+        # present rows holding exactly the output path lost their input path (a masked row).
+        absent_wrong = [r for r in wrong_rows if not present[r]]
+        n_absent = int((~present).sum())
+        present_wrong = [r for r in wrong_rows if present[r]]
+        rows = np.asarray(absent_wrong, dtype=np.int64)
+        if absent_wrong and present_wrong and len(absent_wrong) <= tokens.shape[0] and (
+                isinstance(view, _Sketched) or misrouted_input_fits(
+                    paths, rows, view.rows("actual", rows) - view.rows("out", rows), tol)):
+            # Absent rows wrong and present rows wrong, no more absent ones than the batch has
+            # positions, and each holds what some positions' dx would add: the output path may
+            # be wrong, or the input path went into the wrong rows (e.g. the targets'), taking
+            # from the present rows what the absent ones gained.  The rows cannot tell which,
+            # so the label stays unknown.
+            detail = (f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong (they carry "
+                      f"the output path alone) and {len(present_wrong)} of "
+                      f"{_n(len(uniq), 'present row')}: a wrong output path, or dx scattered "
+                      "into the wrong rows?")
+        elif absent_wrong:
+            label = "output_path_wrong"
+            detail = f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong"
+        else:
+            label = "input_path_wrong"
+            detail = (f"all {_n(n_absent, 'absent row')} exact; " if n_absent else "") + \
+                f"{len(wrong_rows)} of {_n(len(uniq), 'present row')} wrong"
+            if masked:
+                detail += f"; rows {wrong_rows} hold the output path only (input path masked)"
+    if label == "unknown" and wrong_rows and not detail:
+        n_absent = int((~present).sum())
+        detail = (f"{len(wrong_rows)} wrong rows, {len([r for r in wrong_rows if present[r]])} "
+                  f"of them present in the batch" + (
+                      "; every row is present, so the rows cannot say which path is wrong"
+                      if not n_absent else ""))
+
+    others = list(others or [])
+    if label in ("correct", "no_power") and any(not o.ok for o in others):
+        label = "other_gradient_wrong"
+        detail = "; ".join(o.describe() for o in others if not o.ok)
+    if label in ("correct", "no_power") and mutated:
+        label = "inputs_mutated"
+        detail = "wrote into " + ", ".join(mutated)
+
+    return Diagnosis(
+        label=label, detail=detail, rows_total=V, rows_wrong=len(wrong_rows),
+        wrong_rows=wrong_rows, present_rows=present_rows, repeated_rows=repeated,
+        row_causes=causes, max_abs_error=mx_abs, max_rel_error=mx_rel, tolerance=tol,
+        power=power, scales=scales, others=others, margin=scan.margin,
+        rows_projected=view.projected,
+    )
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"

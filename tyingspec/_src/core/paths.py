@@ -1,0 +1,484 @@
+"""The probe model and its closed-form gradient, split into the two paths into E.
+
+Forward (the contract every reference and adapter shares)::
+
+    x = s_in * E_in[tokens]; u = x @ W; h = res * x + tanh(u)
+    logits = h @ E_out.T (+ b); loss = mean_n CE(logits[n], targets[n])
+
+Tied means ``E_in is E_out``.  Everything here is plain numpy in the dtype of ``E``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from tyingspec._src.core import memory
+from tyingspec._src.core.tolerance import Terms
+
+Array = NDArray[np.floating]
+IntArray = NDArray[np.integer]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Intermediates of one forward/backward; every built-in implementation combines these."""
+
+    loss: float
+    x: Array  # [N, d] looked-up (and scaled) rows
+    h: Array  # [N, d] hidden states fed to the output path
+    g: Array  # [N, V] dL/dlogits
+    dx: Array  # [N, d] dL/dx
+    du: Array  # [N, d]
+    dW: Array
+    db: Array | None
+    s_in: float
+
+    @property
+    def input_rows(self) -> Array:
+        """Per-position contribution of the input path: dL/dE_in[tokens[n]] from position n."""
+        return self.s_in * self.dx
+
+
+class _Factored:
+    """A [V, d] path held in a cheaper form than the matrix: rows on demand (float64), and
+    ``np.asarray`` (or indexing) builds the whole matrix once, for what needs all of it."""
+
+    shape: tuple[int, int]
+    dtype: np.dtype[Any]
+    ndim = 2
+
+    def rows(self, rows: IntArray) -> Array:
+        raise NotImplementedError
+
+    def _build(self) -> Array:
+        raise NotImplementedError
+
+    @cached_property
+    def whole(self) -> Array:
+        return self._build()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Array:
+        return self.whole if dtype is None else self.whole.astype(dtype, copy=False)
+
+    def __getitem__(self, index: Any) -> Array:
+        out: Array = self.whole[index]
+        return out
+
+    def astype(self, dtype: Any, copy: bool = True) -> Array:
+        return self.whole.astype(dtype, copy=copy)
+
+
+class OutputPath(_Factored):
+    """The output path ``g.T @ h`` kept as its two factors.  At GPT-2 size the whole [V, d]
+    product costs as much as a third of the implementation's forward+backward, and a check
+    needs only some of its rows entry by entry and the rest projected (see :class:`Sketch`)."""
+
+    def __init__(self, g: Array, h: Array) -> None:
+        self.g, self.h = g, h
+        self.shape = (g.shape[1], h.shape[1])
+        self.dtype = np.result_type(g.dtype, h.dtype)
+
+    def rows(self, rows: IntArray) -> Array:
+        out: Array = np.asarray(self.g[:, rows], np.float64).T @ np.asarray(self.h, np.float64)
+        return out
+
+    def _build(self) -> Array:
+        out: Array = self.g.T @ self.h
+        return out
+
+
+class InputPath(_Factored):
+    """The input path as the rows its tokens touch (repeated tokens summed): a zeroed [V, d]
+    matrix with a few rows written costs page faults over all of it."""
+
+    def __init__(self, tokens: IntArray, per_position: Array, vocab_size: int) -> None:
+        self.touched, self.sums = _segment_sums(tokens, per_position)
+        self.shape = (vocab_size, per_position.shape[1])
+        self.dtype = per_position.dtype
+
+    def rows(self, rows: IntArray) -> Array:
+        out = np.zeros((len(rows), self.shape[1]))
+        if len(self.touched):
+            at = np.minimum(np.searchsorted(self.touched, rows), len(self.touched) - 1)
+            hit = self.touched[at] == rows
+            out[hit] = self.sums[at[hit]]
+        return out
+
+    def _build(self) -> Array:
+        out = np.zeros(self.shape, dtype=self.dtype)
+        out[self.touched] = self.sums
+        return out
+
+
+@dataclass(frozen=True)
+class Sketch:
+    """Rows judged through projections (Freivalds' check), for shapes where the whole output
+    path costs as much as a forward pass.
+
+    Rows in ``exact`` (the batch's tokens and targets, the padding row) are compared entry by
+    entry.  Every other row carries the output path alone, and is compared through the columns
+    of ``Z [d, k]``: ``(dE @ Z)[v]`` against ``(g.T @ (h @ Z))[v]``, which costs
+    ``O((V + d) N k)`` instead of ``V d N``.  The allowance of column ``q`` is the row's
+    entrywise bound summed the same way, ``sum_j |Z[j, q]| (atol_v + rtol |e[v, j]|)``, with
+    ``sum_j |Z[j, q]| |e[v, j]|`` bounded by ``mag = |g|.T @ (|h| @ |Z|)``: a row within its
+    entrywise bound is within every projected one.
+
+    ``Z`` holds ``SAMPLED_COLUMNS`` unit vectors (entries of the row, checked under exactly
+    their entrywise bound: a bug that moves a whole row, as output-path bugs do, is seen in any
+    of them) and ``GAUSSIAN_DIRECTIONS`` Gaussian ones (an error confined to entries no sampled
+    column hit still moves them, once it is large against the row's summed bound)."""
+
+    exact: IntArray  # sorted rows compared entry by entry
+    Z: Array  # [d, k] float64 directions, drawn from ``seed``
+    columns: IntArray  # the sampled columns: Z[:, :len(columns)] is their unit vectors
+    seed: int
+    out: Array  # [V, k] float64: dE_out @ Z
+    mag: Array  # [V, k] float64: |g|.T @ (|h| @ |Z|)
+
+    def with_exact(self, rows: IntArray) -> Sketch:
+        """The same projections with ``rows`` also compared entry by entry."""
+        return replace(self, exact=np.union1d(self.exact, np.asarray(rows, dtype=np.int64)))
+
+
+#: Entries of each projected row compared under their own bound (all of them when d is
+#: smaller): a row wrong in a fraction f of its entries escapes with probability (1 - f)^24.
+SAMPLED_COLUMNS = 24
+#: Gaussian directions per projected row, for errors confined to entries no column sampled.
+GAUSSIAN_DIRECTIONS = 8
+#: Shapes whose output path is above this many multiply-adds (V d N) are judged with a
+#: :class:`Sketch`; below it every row is compared entry by entry.
+SKETCH_ABOVE = 2**26
+
+
+def sketched(V: int, d: int, n: int) -> bool:
+    """Whether a reference of this shape judges its absent rows through projections."""
+    return V * d * n > SKETCH_ABOVE
+
+
+def sketch_directions(tokens: IntArray, targets: IntArray | None, d: int
+                      ) -> tuple[Array, IntArray, int]:
+    """``Z [d, k]`` (sampled columns, then Gaussian directions), the sampled columns and the
+    seed, drawn from the batch itself: a replay of the case (same tokens and targets) draws
+    the same."""
+    seed = zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    if targets is not None:
+        seed = zlib.crc32(np.ascontiguousarray(targets, dtype=np.int64).tobytes(), seed)
+    rng = np.random.default_rng(seed)
+    cols = np.sort(rng.choice(d, size=min(d, SAMPLED_COLUMNS), replace=False))
+    sampled = np.zeros((d, cols.shape[0]))
+    sampled[cols, np.arange(cols.shape[0])] = 1.0
+    return np.hstack([sampled, rng.standard_normal((d, GAUSSIAN_DIRECTIONS))]), cols, seed
+
+
+Directions = tuple[Array, IntArray, int]  # what sketch_directions draws
+
+
+def draw_directions(V: int, d: int, n: int, tokens: IntArray, targets: IntArray | None,
+                    sketch: bool | None) -> Directions | None:
+    """The sketch's directions when a reference of this shape is sketched (``sketch``, when
+    given, overrides the size rule); None when every row is compared entry by entry."""
+    if not (sketched(V, d, n) if sketch is None else sketch):
+        return None
+    return sketch_directions(tokens, targets, d)
+
+
+def input_path(tokens: IntArray, rows: Array, vocab_size: int, *, factored: bool
+               ) -> Array | InputPath:
+    """The input path: the touched rows alone (a sketched reference), or the whole matrix."""
+    if factored:
+        return InputPath(tokens, rows, vocab_size)
+    return scatter_rows(tokens, rows, vocab_size)
+
+
+def two_paths(tokens: IntArray, per_position: Array, g: Array, h: Array, vocab_size: int,
+              exact: IntArray, drawn: Directions | None,
+              projected: tuple[Array, Array] | None
+              ) -> tuple[Array | InputPath, Array | OutputPath, Sketch | None]:
+    """A reference's input path, output path and sketch: whole matrices without directions;
+    with them, factored paths and the sketch that judges the rows outside ``exact``."""
+    dE_in = input_path(tokens, per_position, vocab_size, factored=drawn is not None)
+    if drawn is None:
+        return dE_in, g.T @ h, None
+    assert projected is not None  # directions given: the bound terms projected them
+    Z, columns, seed = drawn
+    return dE_in, OutputPath(g, h), Sketch(exact, Z, columns, seed, *projected)
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The tied gradient split into its two paths (closed form), plus the other gradients."""
+
+    loss: float
+    dE_in: Array | InputPath  # input path: scatter-add of s_in*dx over token rows
+    dE_out: Array | OutputPath  # output path: g.T @ h (its factors, when sketched)
+    dW: Array
+    db: Array | None
+    per_position: Array  # [N, d] input-path contribution of each position
+    tokens: IntArray
+    terms: Terms | None = None  # what the rounding bound is built from (see _tolerance)
+    padding_idx: int | None = None  # the row the input path skips by declaration, if any
+    sketch: Sketch | None = None  # absent rows judged through projections (large shapes)
+    # the input path the padding row would get without padding_idx: its positions' rows
+    # summed (a backward that skips the mask adds exactly this)
+    pad_input: Array | None = None
+
+    @property
+    def dE(self) -> Array:
+        out: Array = np.asarray(self.dE_in) + np.asarray(self.dE_out)
+        return out
+
+    def in_rows(self, rows: IntArray) -> Array:
+        """Rows of the input path in float64 (without building all of it when sketched)."""
+        return _path_rows(self.dE_in, rows)
+
+    def out_rows(self, rows: IntArray) -> Array:
+        """Rows of the output path in float64 (without building all of it when sketched)."""
+        return _path_rows(self.dE_out, rows)
+
+
+    @property
+    def bound_terms(self) -> Terms:
+        """What the row bound is built from: the reference's own terms, or for hand-built
+        paths the row magnitudes of the paths themselves."""
+        if self.terms is not None:
+            return self.terms
+        return Terms.from_paths(np.asarray(self.dE_in, np.float64),
+                                np.asarray(self.dE_out, np.float64))
+
+
+def _path_rows(path: Array | _Factored, rows: IntArray) -> Array:
+    if isinstance(path, _Factored):
+        return path.rows(rows)
+    return np.asarray(path[rows], dtype=np.float64)
+
+
+def flatten_batch(tokens: object, targets: object) -> tuple[IntArray, IntArray]:
+    """Tokens/targets as [N] or [B, T] (flattened row-major) integer arrays."""
+    t = np.asarray(tokens).reshape(-1)
+    y = np.asarray(targets).reshape(-1)
+    return t, y
+
+
+def forward_parts(
+    E_in: Array,
+    E_out: Array,
+    W: Array,
+    b: Array | None,
+    tokens: IntArray,
+    targets: IntArray,
+    res: float = 1.0,
+    s_in: float = 1.0,
+) -> Parts:
+    """Forward and backward of the probe model up to (not including) the gradient into E."""
+    tokens, targets = flatten_batch(tokens, targets)
+    n = tokens.shape[0]
+    dt = np.result_type(E_in.dtype, np.float32)
+    res_c = dt.type(res)
+    s_c = dt.type(s_in)
+    x = s_c * E_in[tokens]
+    u = x @ W
+    t = np.tanh(u)
+    h = res_c * x + t
+    # The softmax in place on one [N, V] buffer: at V = 50257 each extra temporary costs as
+    # much as a matrix product.
+    g = np.matmul(h, E_out.T, out=memory.empty((n, E_out.shape[0]), np.result_type(h, E_out)))
+    if b is not None:
+        g += b
+    g -= g.max(axis=1, keepdims=True)  # shifted logits
+    rows = np.arange(n)
+    at_target = g[rows, targets].copy()
+    np.exp(g, out=g)
+    z = g.sum(axis=1, keepdims=True)
+    loss = float((np.log(z[:, 0]) - at_target).mean()) if n else float("nan")
+    g *= (1 / (z * dt.type(n))).astype(dt, copy=False)  # softmax / N
+    g[rows, targets] -= dt.type(1) / dt.type(n)
+    dh = g @ E_out
+    du = dh * (1 - t * t)
+    dx = res_c * dh + du @ W.T
+    dW = x.T @ du
+    db = g.sum(axis=0) if b is not None else None
+    return Parts(loss=loss, x=x, h=h, g=g, dx=dx, du=du, dW=dW, db=db, s_in=float(s_in))
+
+
+def _segment_sums(tokens: IntArray, rows: Array) -> tuple[IntArray, Array]:
+    """The distinct tokens (sorted) and, for each, the sum of its rows: what ``np.add.at``
+    adds into a token's row, at a fraction of its cost (one segmented sum over the tokens
+    sorted; the order of a row's additions may differ, its rounding stays that of a sum)."""
+    if not tokens.shape[0]:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, rows.shape[1]), dtype=rows.dtype)
+    order = np.argsort(tokens, kind="stable")
+    t = tokens[order]
+    starts = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
+    sums: Array = np.add.reduceat(rows[order], starts, axis=0)
+    return t[starts].astype(np.int64), sums
+
+
+def scatter_rows(tokens: IntArray, rows: Array, vocab_size: int) -> Array:
+    """Sparse input path: add each row into its token's row; repeated tokens add."""
+    out = np.zeros((vocab_size, rows.shape[1]), dtype=rows.dtype)
+    touched, sums = _segment_sums(np.asarray(tokens).reshape(-1), rows)
+    out[touched] = sums
+    return out
+
+
+def closed_form_paths(
+    E: Array,
+    W: Array,
+    b: Array | None,
+    tokens: object,
+    targets: object,
+    res: float = 1.0,
+    s_in: float = 1.0,
+    *,
+    E_out: Array | None = None,
+    sketch: bool | None = None,
+) -> Paths:
+    """Closed-form reference: both paths of dL/dE (``E_out`` defaults to ``E``: tied).
+    ``sketch``: judge absent rows through projections (default: above ``SKETCH_ABOVE``)."""
+    t, y = flatten_batch(tokens, targets)
+    out = E if E_out is None else E_out
+    p = forward_parts(E, out, W, b, t, y, res, s_in)
+    per_pos = p.input_rows
+    V, d = out.shape
+    drawn = draw_directions(V, d, t.shape[0], t, y, sketch)
+    terms, projected = model_terms(E, out, W, b, t, y, res, s_in, p,
+                                   None if drawn is None else drawn[0])
+    dE_in, dE_out, judged = two_paths(t, per_pos, p.g, p.h, V,
+                                      np.union1d(t, y).astype(np.int64), drawn, projected)
+    return Paths(loss=p.loss, dE_in=dE_in, dE_out=dE_out, dW=p.dW, db=p.db,
+                 per_position=per_pos, tokens=t, terms=terms, sketch=judged)
+
+
+def _abs_max_rows(a: Array) -> Array:
+    """max_j |a[n, j]| per row, in float64, without a float64 copy of ``a``."""
+    out: Array = np.abs(a).max(axis=1, initial=0.0).astype(np.float64)
+    return out
+
+
+#: Rows per block when a magnitude is summed over a large matrix: a few MB of temporaries
+#: instead of a whole [N, V] or [V, d] copy.
+_BLOCK = 64
+
+
+def _output_rows(g: Array, h: Array, targets: IntArray, e_rows: Array | None = None,
+                 Z: Array | None = None
+                 ) -> tuple[Array, Array, Array, tuple[Array, Array] | None]:
+    """sum_n (|g[n, v]| + [y_n = v]/N) max_j |h[n, j]| per row v, the same weights' column
+    sums (the db magnitude), per position sum_v |g[n, v]| max_j |E[v, j]| (the size of the
+    terms of dh = g @ E, whatever cancels among them; zeros without ``e_rows``), and with
+    directions ``Z [d, k]`` the output path's projections ``g.T @ (h @ Z)`` and their
+    magnitudes ``|g|.T @ (|h| @ |Z|)`` (see :class:`Sketch`), all in one pass over ``g``."""
+    n, V = g.shape
+    h_inf = _abs_max_rows(h)
+    k = 0 if Z is None else Z.shape[1]
+    # one right-hand side for the |g| products: max |h| per position, then |h| @ |Z|
+    h64 = np.asarray(h, np.float64)
+    right = h_inf[:, None] if Z is None else np.hstack([h_inf[:, None], np.abs(h64) @ np.abs(Z)])
+    right_w = right.astype(g.dtype)
+    sums = np.zeros((V, 1 + k))
+    col = np.zeros(V)
+    dh_terms = np.zeros(n)
+    for s in range(0, n, _BLOCK):  # |g| in blocks of positions, in g's own dtype
+        w = np.abs(g[s:s + _BLOCK])
+        sums += w.T @ right_w[s:s + _BLOCK]
+        col += w.sum(axis=0)
+        if e_rows is not None:
+            dh_terms[s:s + _BLOCK] = w @ e_rows
+    # the target's probability enters g as p - 1: count it even when g ~ 0 (a fitted batch)
+    tgt = np.bincount(targets, minlength=V)[:V] / max(n, 1)
+    tgt_h = np.bincount(targets, weights=h_inf, minlength=V)[:V] / max(n, 1)
+    projected = None
+    if Z is not None:
+        # The projections in g's own dtype, as the whole product would be: the reference's
+        # rounding, which the bound's factor 2 counts (a sampled column is the column of the
+        # g.T @ h a dense reference computes in that dtype, up to the order of the sums).
+        hz = (h64 @ Z).astype(g.dtype)
+        proj = np.asarray(g.T @ hz, dtype=np.float64)
+        tgt_z = np.zeros((V, k))
+        if targets.shape[0] == n:  # a kernel's call has no targets: its g already holds them
+            np.add.at(tgt_z, targets, right[:, 1:] / max(n, 1))
+        projected = (proj, sums[:, 1:] + tgt_z)
+    return sums[:, 0] + tgt_h, col + tgt, dh_terms, projected
+
+
+def _abs_rows(E: Array) -> tuple[Array, float]:
+    """max_j |E[v, j]| per row, and the largest row sum of |E|: one blocked pass over E."""
+    row_max = np.zeros(E.shape[0], dtype=E.dtype)
+    sum_max = 0.0
+    for s in range(0, E.shape[0], 16 * _BLOCK):
+        a = np.abs(E[s:s + 16 * _BLOCK])
+        if a.size:
+            row_max[s:s + 16 * _BLOCK] = a.max(axis=1)
+            sum_max = max(sum_max, float(a.sum(axis=1, dtype=np.float64).max()))
+    return row_max, sum_max
+
+
+def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: IntArray,
+                targets: IntArray, res: float, s_in: float, p: Parts, Z: Array | None = None
+                ) -> tuple[Terms, tuple[Array, Array] | None]:
+    """Bound terms of the probe model on one batch (see :mod:`core.tolerance`), and with
+    directions ``Z`` the output path's projections and their magnitudes."""
+    V, d = E_out.shape
+    n = tokens.shape[0]
+    h_inf = _abs_max_rows(p.h)
+    e_rows, row_sum_max = _abs_rows(E_out)
+    out_rows, db, dh_terms, projected = _output_rows(p.g, p.h, targets,
+                                                     e_rows.astype(p.g.dtype), Z)
+    e_max = float(e_rows.max(initial=0))
+    if E_in is not E_out:  # tied: one matrix, one pass
+        e_max = max(e_max, float(_abs_rows(E_in)[0].max(initial=0)))
+    # Each occurrence adds its own |s_in dx[n]|, and dx[n] carries the rounding of dh = g @ E,
+    # whose terms can be much larger than their sum (g sums to 0).  Those per-position
+    # rounding errors are independent, so they add in quadrature over a token's occurrences:
+    # a token seen 1024 times keeps a bound that can still tell a lost occurrence.
+    w_inf = float(np.abs(np.asarray(W, dtype=np.float64)).sum(axis=1).max(initial=0.0))
+    dx_inf = abs(s_in) * _abs_max_rows(p.dx)
+    cancel = abs(s_in) * dh_terms * (abs(res) + w_inf)
+    in_rows = np.bincount(tokens, weights=dx_inf, minlength=V)[:V] + np.sqrt(
+        np.bincount(tokens, weights=cancel * cancel, minlength=V)[:V])
+    b_max = 0.0 if b is None else float(np.abs(b).max(initial=0.0))
+    logit = float(h_inf.max(initial=0.0)) * row_sum_max + b_max
+    k = d + n + float(np.sqrt(V)) + logit
+    x = np.abs(np.asarray(p.x, dtype=np.float64))
+    # |du| plus what it can be whatever cancels inside g @ E (so a dW that is 0 in truth, e.g.
+    # V = 1, still gets an allowance for the rounding of g)
+    du = np.abs(np.asarray(p.du, dtype=np.float64)) + 2.0 / max(n, 1) * e_max
+    return Terms(rows=out_rows + in_rows, k=k, loss=logit + abs(p.loss), dW=x.T @ du,
+                 db=db if b is not None else None), projected
+
+
+def kernel_terms(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
+                 Z: Array | None = None) -> tuple[Terms, tuple[Array, Array] | None]:
+    """Bound terms of a kernel call (its inputs are given, only its reductions round), and
+    with directions ``Z`` the output path's projections and their magnitudes."""
+    rows, _, _, projected = _output_rows(g, h, np.zeros(0, dtype=np.int64), Z=Z)
+    rows = rows + np.bincount(tokens, weights=_abs_max_rows(dx), minlength=V)[:V]
+    return Terms(rows=rows, k=float(tokens.shape[0] + np.sqrt(V) + 1)), projected
+
+
+def loss_only(
+    E_in: Array,
+    E_out: Array,
+    W: Array,
+    b: Array | None,
+    tokens: IntArray,
+    targets: IntArray,
+    res: float = 1.0,
+    s_in: float = 1.0,
+) -> float:
+    """The probe model's loss; used by central differences and training loops."""
+    tokens, targets = flatten_batch(tokens, targets)
+    x = s_in * E_in[tokens]
+    h = res * x + np.tanh(x @ W)
+    logits = h @ E_out.T
+    if b is not None:
+        logits = logits + b
+    m = logits.max(axis=1, keepdims=True)
+    logz = (m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True)))[:, 0]
+    return float((logz - logits[np.arange(tokens.shape[0]), targets]).mean())

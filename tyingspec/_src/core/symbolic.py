@@ -1,0 +1,102 @@
+"""Reference gradients derived symbolically with sympy, both paths kept apart.
+
+The loss is written with the two uses of E as separate symbol matrices, ``E_in`` (lookup) and
+``E_out`` (scoring).  The lookup is written as ``x = s_in * p @ E_in`` with ``p`` the one-hot row of
+the token, itself a vector of symbols filled in at evaluation time: one compiled function then
+serves every token, target and batch length for a given (V, d), and a repeated token's row
+accumulates because the derivative of the batch mean is the sum of the positions' derivatives,
+not because we wrote a scatter-add.  The target enters the same way as a one-hot ``y``.  The
+tied reference is ``dL/dE_in + dL/dE_out`` evaluated at ``E_in = E_out = E``.
+
+Cost grows super-linearly with V*d*N, so this is for small shapes; compiled functions are cached
+per (V, d, has_bias) in each process (each pytest-xdist worker compiles its own).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import sympy as sp
+
+from tyingspec._src.core.paths import Array, Paths, flatten_batch, forward_parts, model_terms
+
+#: Beyond this many entries in E (V*d) the derivation takes seconds per shape; use the closed form.
+MAX_SYMBOLIC_ENTRIES = 12
+
+
+def _matrix(name: str, rows: int, cols: int) -> sp.Matrix:
+    return sp.Matrix(rows, cols, lambda i, j: sp.Symbol(f"{name}_{i}_{j}", real=True))
+
+
+@functools.cache
+def compiled(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
+    """Compile (once per shape) one position's loss and its gradients as a numpy function.
+
+    Outputs, flattened: loss, dl/dE_in (V*d), dl/dE_out (V*d), dl/dW (d*d), dl/db (V if bias).
+    The one-hot symbols ``p`` (token) and ``y`` (target) may be fed arrays of length N: the
+    function then evaluates every position at once and the batch mean is a sum over that axis.
+    """
+    E_in = _matrix("Ein", V, d)
+    E_out = _matrix("Eout", V, d)
+    W = _matrix("W", d, d)
+    b = _matrix("b", 1, V) if has_bias else sp.zeros(1, V)
+    p = _matrix("p", 1, V)
+    y = _matrix("y", 1, V)
+    res, s_in = sp.symbols("res s_in", real=True)
+
+    x = s_in * (p * E_in)  # [1, d]: the lookup E_in[t] written as onehot(t) @ E_in
+    h = res * x + (x * W).applyfunc(sp.tanh)
+    z = h * E_out.T + b  # [1, V]
+    loss = sp.log(sum(sp.exp(z[0, v]) for v in range(V))) - sum(y[0, v] * z[0, v]
+                                                                 for v in range(V))
+    wrt = list(E_in) + list(E_out) + list(W) + (list(b) if has_bias else [])
+    outputs = [loss] + [sp.diff(loss, s) for s in wrt]
+    args = [list(E_in), list(E_out), list(W), list(b) if has_bias else [], list(p), list(y),
+            res, s_in]
+    fn: Callable[..., tuple[Any, ...]] = sp.lambdify(args, outputs, modules="numpy", cse=True)
+    return fn
+
+
+def symbolic_paths(
+    E: Array,
+    W: Array,
+    b: Array | None,
+    tokens: object,
+    targets: object,
+    res: float = 1.0,
+    s_in: float = 1.0,
+    *,
+    E_out: Array | None = None,
+) -> Paths:
+    """Reference gradients from the sympy derivation (small shapes only), float64."""
+    t, y = flatten_batch(tokens, targets)
+    E = np.asarray(E, dtype=np.float64)
+    out = E if E_out is None else np.asarray(E_out, dtype=np.float64)
+    W = np.asarray(W, dtype=np.float64)
+    V, d = E.shape
+    N = t.shape[0]
+    if V * d > MAX_SYMBOLIC_ENTRIES:
+        raise ValueError(f"symbolic reference: V*d = {V * d} exceeds {MAX_SYMBOLIC_ENTRIES}; "
+                         "use the closed-form reference")
+    fn = compiled(V, d, b is not None)
+    eye = np.eye(V)
+    P, Yh = eye[t], eye[y]  # [N, V] one-hots; column v is fed to symbol p_v / y_v
+    bias = [] if b is None else list(np.asarray(b, dtype=np.float64).reshape(-1))
+    flat = fn(list(E.reshape(-1)), list(out.reshape(-1)), list(W.reshape(-1)), bias,
+              list(P.T), list(Yh.T), float(res), float(s_in))
+    # Mean over positions; entries that do not depend on the position come back as scalars.
+    vals = np.array([np.broadcast_to(np.asarray(v, dtype=np.float64), (N,)).sum() / N
+                     for v in flat])
+    loss, vals = vals[0], vals[1:]
+    g_in, g_out = vals[: V * d].reshape(V, d), vals[V * d: 2 * V * d].reshape(V, d)
+    g_W = vals[2 * V * d: 2 * V * d + d * d].reshape(d, d)
+    db = vals[2 * V * d + d * d:].reshape(V) if b is not None else None
+    # Per-position input-path rows are not a symbolic output; the diagnosis uses them only to
+    # explain duplicate bugs, so take them from the closed form's scatter structure.
+    parts = forward_parts(E, out, W, b, t, y, res, s_in)
+    return Paths(loss=float(loss), dE_in=g_in, dE_out=g_out, dW=g_W, db=db,
+                 per_position=parts.input_rows, tokens=t,
+                 terms=model_terms(E, out, W, b, t, y, res, s_in, parts)[0])

@@ -1,0 +1,1116 @@
+"""User code runs in a worker process: its crash, exit or hang ends a case, never the run.
+
+A ``module:attr`` target is imported and called in one persistent worker process: a fresh
+interpreter that runs :mod:`engine.worker`, with this process's ``sys.path`` (set before it
+imports anything), working directory and ``sys.argv``, so nothing of tyingspec's own state leaks
+into it and user modules import as they do here.  Unlike a ``spawn`` child it never imports this
+process's ``__main__``: a user's script that runs a check needs no ``if __name__ ==
+"__main__":`` guard (a spawned worker re-ran the script).  The parent sends the inputs of a
+call and waits, with a timeout, for the validated result.  When the worker raises
+``SystemExit``, calls ``os._exit``, dies of a signal or runs past the timeout, that call becomes
+an :class:`~tyingspec.AdapterError` naming what happened, the worker is killed and a fresh one
+is started for the next call: the remaining cases run.  Built-in targets are tyingspec's own
+code and run in-process.
+
+State an adapter keeps between calls (a stateful bug, or a cache) lives in the worker and
+survives from one call to the next, as it would in the user's training loop, until the worker
+has to be restarted.
+
+Large arrays cross through shared memory, one copy each way.  The parent writes each large
+input into a block of its own (reused from call to call); the worker hands the adapter views
+of those blocks uncopied, since they are the call's own, and after the call the parent compares
+each block with what it wrote: a write into an input is still reported, and the caller's arrays
+are never touched.  A large dE comes back in a new block that the parent takes over as it is.
+
+The parent never executes what the worker sends.  User code runs in the worker and can forge
+anything the worker says (it can write to the pipe itself), and unpickling runs whatever the
+bytes name, so nothing from the worker is unpickled: each answer is one frame of plain data (a
+JSON tree of numbers, strings, containers and tyingspec's own result types, then the raw bytes
+of its arrays, in a numeric dtype of a fixed list).  Decoding it calls no function the frame
+names; a frame that is not of that form (a pickle, an object array, a dataclass with a field of
+its own) is an AdapterError that says what was refused, and the worker is killed.  What the
+parent sends the worker is still pickled: the worker trusts its parent.
+
+No process of a run outlives it.  The worker leads a process group of its own, which whatever
+its target forks joins: the parent ends a worker by killing that group, and a worker that ends
+(even one whose parent was killed) kills its group last.  The parent ends its workers at exit
+(a KeyboardInterrupt included) and on SIGTERM or SIGHUP (see :func:`install_signal_cleanup`),
+and unlinks every shared block it made for them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import faulthandler
+import json
+import math
+import multiprocessing
+import os
+import re
+import secrets
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from multiprocessing.connection import Connection
+from types import FrameType
+from typing import Any
+
+from tyingspec._src.core import memory
+from tyingspec._src.core.options import DEFAULT_TIMEOUT
+
+__all__ = ["DEFAULT_TIMEOUT", "Worker", "install_signal_cleanup"]
+#: Seconds the import and signature check of a target may take.
+LOAD_TIMEOUT = 120.0
+
+
+#: Arrays at least this large cross the pipe through shared memory (one copy each way) instead
+#: of being pickled (several): at V = 50257 that is most of the isolation's cost.
+SHARE_ABOVE = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """An array left in a named shared-memory block for the other process."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+# ---- the worker's answers: plain data, never a pickle ----------------------------------------
+
+#: The first bytes of every frame the worker sends (a pickle starts with b"\x80"), then the
+#: length of its JSON tree (an unsigned 64-bit little-endian integer), the tree, and the raw
+#: bytes of its arrays, which the tree's array nodes locate by offset.
+_MAGIC = b"tyingspec-worker-answer/1\n"
+_HEAD = struct.Struct("<Q")
+#: A legitimate answer nests a few levels deep; a deeper one is refused before it costs much.
+_MAX_DEPTH = 32
+#: The dtypes an array may cross in: numeric, byte order explicit (``np.dtype(...).str``), or
+#: ml_dtypes' bfloat16 by name (its ``.str`` is the void ``<V2``).  No object, string, void or
+#: structured dtype: an object dtype carries pickled objects, a structured one may hold them.
+_DTYPE = re.compile(r"[<>|][biufc][0-9]{1,2}")
+#: The fields of an AdapterError, all text or None: it crosses as these, not as itself.
+_ERROR_FIELDS = ("adapter", "problem", "key", "expected", "got")
+
+
+class _Unsendable(TypeError):
+    """A value the channel does not carry, found by the worker as it encodes an answer."""
+
+
+class _Refused(ValueError):
+    """A frame from the worker that the parent does not take; the message says what it is."""
+
+
+def _type_name(x: Any) -> str:
+    kind = type(x)
+    return kind.__qualname__ if kind.__module__ == "builtins" else \
+        f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _dtype_token(dt: Any) -> str:
+    """The name ``dt`` crosses the channel (and a shared block's description) under."""
+    if dt.kind == "V" and dt.name == "bfloat16" and dt.fields is None:
+        return "bfloat16"
+    token = str(dt.str)
+    if not _DTYPE.fullmatch(token) or dt.fields is not None or dt.subdtype is not None:
+        raise _Unsendable(f"an array of dtype {dt}")
+    return token
+
+
+def _dtype_of(token: Any) -> Any:
+    """The dtype named by ``token`` (see :func:`_dtype_token`); _Refused for any other."""
+    import numpy as np
+
+    if token == "bfloat16":
+        from tyingspec._src.core.tolerance import numpy_dtype
+
+        return numpy_dtype("bfloat16")
+    if not isinstance(token, str) or not _DTYPE.fullmatch(token):
+        raise _Refused(f"an array of dtype {token!r}"[:200])
+    return np.dtype(token)
+
+
+def _encode(answer: Any) -> bytes:
+    """The frame that carries ``answer`` to the parent; _Unsendable names a value it cannot
+    carry (anything but plain data, numeric arrays and tyingspec's own result types)."""
+    import numpy as np
+
+    from tyingspec._src.core.adapters import AdapterError, Returned
+    from tyingspec._src.core.findings import Finding
+
+    chunks: list[Any] = []
+    size = 0
+
+    def data(a: np.ndarray[Any, Any]) -> dict[str, Any]:
+        nonlocal size
+        token = _dtype_token(a.dtype)
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # no copy when contiguous
+        chunks.append(raw)
+        size += raw.nbytes
+        return {"dtype": token, "shape": list(a.shape), "at": size - raw.nbytes}
+
+    def enc(x: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise _Unsendable("a value nested too deeply")
+        if x is None or x is True or x is False:
+            return x
+        if isinstance(x, np.generic) and not isinstance(x, (np.str_, np.bytes_)):
+            return {"$": "scalar", **data(np.asarray(x))}
+        if isinstance(x, str):
+            return str(x)
+        if isinstance(x, int):
+            return int(x)
+        if isinstance(x, float):
+            return float(x)
+        if isinstance(x, np.ndarray):
+            return {"$": "array", **data(x)}
+        if isinstance(x, list):
+            return [enc(v, depth + 1) for v in x]
+        if isinstance(x, (tuple, set, frozenset)):
+            tag = "tuple" if isinstance(x, tuple) else \
+                "frozenset" if isinstance(x, frozenset) else "set"
+            return {"$": tag, "items": [enc(v, depth + 1) for v in x]}
+        if isinstance(x, Mapping):
+            return {"$": "dict", "items": [[enc(k, depth + 1), enc(v, depth + 1)]
+                                           for k, v in x.items()]}
+        if type(x) in (Returned, Finding, _Shared):
+            return {"$": type(x).__name__,
+                    "fields": {f.name: enc(getattr(x, f.name), depth + 1) for f in fields(x)}}
+        if isinstance(x, AdapterError):  # a subclass too: it crosses as its fields
+            text = {n: getattr(x, n, None) for n in _ERROR_FIELDS}
+            bad = next((n for n, v in text.items() if v is not None and not isinstance(v, str)),
+                       None)
+            if bad is not None:
+                raise _Unsendable(f"an AdapterError whose {bad} is an object of type "
+                                  f"{_type_name(text[bad])}")
+            return {"$": "AdapterError", "fields": {n: None if v is None else str(v)
+                                                    for n, v in text.items()}}
+        raise _Unsendable(f"an object of type {_type_name(x)}")
+
+    head = json.dumps(enc(answer, 0), separators=(",", ":")).encode()
+    return b"".join([_MAGIC, _HEAD.pack(len(head)), head, *chunks])
+
+
+def _decode(frame: bytes) -> Any:
+    """The answer a frame from the worker carries, built from plain data alone: no function
+    the frame names is called, nothing is unpickled.  _Refused says what was refused."""
+    if not frame.startswith(_MAGIC):
+        raise _Refused("a pickle (the parent never unpickles what the worker sends)"
+                       if frame[:1] == b"\x80" else
+                       f"{len(frame)} bytes that are not a tyingspec message, starting "
+                       f"{bytes(frame[:16])!r}")
+    start = len(_MAGIC) + _HEAD.size
+    if len(frame) < start:
+        raise _Refused("a truncated message")
+    (n,) = _HEAD.unpack_from(frame, len(_MAGIC))
+    if n > len(frame) - start:
+        raise _Refused(f"a message whose header claims {n} bytes, of {len(frame) - start}")
+    try:
+        tree = json.loads(frame[start:start + n])
+        return _Decoder(memoryview(frame)[start + n:]).value(tree, 0)
+    except _Refused:
+        raise
+    except RecursionError:
+        raise _Refused("a message nested too deeply") from None
+    except Exception as exc:  # noqa: BLE001  (malformed in any way: refused, not a traceback)
+        raise _Refused(f"a malformed message ({type(exc).__name__}: {exc})"[:300]) from None
+
+
+class _Decoder:
+    """Plain values from a frame's JSON tree and the array bytes that follow it."""
+
+    def __init__(self, body: memoryview) -> None:
+        self.body = body
+
+    def value(self, node: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise _Refused("a message nested too deeply")
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [self.value(v, depth + 1) for v in node]
+        if not isinstance(node, dict):
+            raise _Refused(f"a value of type {type(node).__name__}")
+        tag = node.get("$")
+        if tag in ("array", "scalar"):
+            _keys(node, "$", "dtype", "shape", "at")
+            a = self.array(node)
+            if tag == "scalar":
+                if a.shape != ():
+                    raise _Refused(f"a scalar of shape {a.shape}")
+                return a[()]
+            return a
+        if tag in ("tuple", "set", "frozenset", "dict"):
+            _keys(node, "$", "items")
+            items = node["items"]
+            if not isinstance(items, list):
+                raise _Refused(f"a {tag} whose items are not a list")
+            if tag == "dict":
+                if not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
+                    raise _Refused("a dict whose items are not pairs")
+                return {self.value(k, depth + 1): self.value(v, depth + 1) for k, v in items}
+            values = [self.value(v, depth + 1) for v in items]
+            return tuple(values) if tag == "tuple" else set(values) if tag == "set" \
+                else frozenset(values)
+        if tag in ("Returned", "Finding", "_Shared", "AdapterError"):
+            _keys(node, "$", "fields")
+            given = node["fields"]
+            if not isinstance(given, dict):
+                raise _Refused(f"a {tag} whose fields are not a mapping")
+            return _build(tag, {str(k): self.value(v, depth + 1) for k, v in given.items()})
+        raise _Refused(f"an object tagged {tag!r}"[:200])
+
+    def array(self, node: dict[str, Any]) -> Any:
+        import numpy as np
+
+        dt = _dtype_of(node["dtype"])
+        shape, at = node["shape"], node["at"]
+        if not (isinstance(shape, list) and len(shape) <= 32 and
+                all(type(s) is int and s >= 0 for s in shape)):
+            raise _Refused(f"an array of shape {shape!r}"[:200])
+        if type(at) is not int or at < 0:
+            raise _Refused(f"an array at offset {at!r}"[:200])
+        nbytes = math.prod(shape) * dt.itemsize
+        if at + nbytes > len(self.body):
+            raise _Refused(f"an array of {nbytes} bytes where the message has "
+                           f"{max(len(self.body) - at, 0)}")
+        if nbytes == 0:
+            return np.zeros(shape, dtype=dt)
+        # a copy: the array is this process's own, writable and aligned (as unpickled)
+        return np.frombuffer(self.body[at:at + nbytes], dtype=dt).reshape(shape).copy()
+
+
+def _keys(node: dict[str, Any], *keys: str) -> None:
+    if set(node) != set(keys):
+        raise _Refused(f"a {node.get('$')!r} node with keys {sorted(map(str, node))}"[:200])
+
+
+def _build(tag: str, given: dict[str, Any]) -> Any:
+    """One of tyingspec's own result types from its fields, each checked for its type (a
+    field of the object's own, say one shadowing a method, is refused)."""
+    import numpy as np
+
+    from tyingspec._src.core.adapters import AdapterError, Returned, _adapter_error
+    from tyingspec._src.core.findings import Finding
+    from tyingspec._src.core.tolerance import PRECISIONS
+
+    def text(x: Any) -> bool:
+        return isinstance(x, str)
+
+    def maybe_text(x: Any) -> bool:
+        return x is None or isinstance(x, str)
+
+    def maybe_array(x: Any) -> bool:
+        return x is None or isinstance(x, np.ndarray)
+
+    checks: dict[str, dict[str, Callable[[Any], bool]]] = {
+        "_Shared": {"name": text, "dtype": lambda x: _dtype_of(x) is not None,
+                    "shape": lambda x: isinstance(x, tuple) and all(
+                        type(s) is int and s >= 0 for s in x)},
+        "Finding": {"check": text, "invariant": text, "detail": text, "label": maybe_text,
+                    "outcome": lambda x: x in ("passed", "failed", "not_applicable"),
+                    "evaluations": lambda x: type(x) is int, "power": lambda x: type(x) is bool},
+        "Returned": {"dE": lambda x: isinstance(x, (np.ndarray, _Shared)),
+                     "mutated": lambda x: isinstance(x, tuple) and all(map(text, x)),
+                     "precision": lambda x: x in PRECISIONS,
+                     "loss": lambda x: x is None or type(x) is float,
+                     "dW": maybe_array, "db": maybe_array,
+                     "evidence": lambda x: isinstance(x, dict),
+                     "findings": lambda x: isinstance(x, tuple) and all(
+                         type(f) is Finding for f in x)},
+        "AdapterError": {"adapter": text, "problem": text, "key": maybe_text,
+                         "expected": maybe_text, "got": maybe_text},
+    }
+    kind: type[Any] = {"_Shared": _Shared, "Finding": Finding, "Returned": Returned,
+                       "AdapterError": AdapterError}[tag]
+    names = set(_ERROR_FIELDS) if kind is AdapterError else {f.name for f in fields(kind)}
+    if set(given) != names:
+        raise _Refused(f"a {tag} with fields {sorted(given)}"[:300])
+    # a field added since this table was written crosses as plain data, unchecked
+    check = {k: ok for k, ok in checks[tag].items() if k in names}
+    bad = next((k for k, ok in check.items() if not ok(given[k])), None)
+    if bad is not None:
+        raise _Refused(f"a {tag} whose {bad} is {_type_name(given[bad])} "
+                       f"{repr(given[bad])[:80]}")
+    if tag == "AdapterError":
+        error: AdapterError = _adapter_error(*(given[k] for k in _ERROR_FIELDS))
+        return error
+    return kind(**given)
+
+
+def _loaded_answer(answer: Any) -> Any:
+    """``answer`` when it is one the worker gives after loading its target."""
+    from tyingspec._src.core.adapters import AdapterError
+
+    if isinstance(answer, tuple) and len(answer) == 3 and answer[0] == "loaded" and \
+            (answer[1] is None or isinstance(answer[1], str)) and \
+            isinstance(answer[2], list) and all(isinstance(k, str) for k in answer[2]):
+        return answer
+    if isinstance(answer, tuple) and len(answer) == 2 and answer[0] == "error" and \
+            isinstance(answer[1], AdapterError):
+        return answer
+    raise _Refused(f"an answer to the load of another form: {repr(answer)[:120]}")
+
+
+def _call_answer(answer: Any) -> Any:
+    """``answer`` when it is one the worker gives to a call."""
+    from tyingspec._src.core.adapters import AdapterError, Returned
+
+    if isinstance(answer, tuple) and len(answer) == 3 and \
+            isinstance(answer[2], set) and all(isinstance(k, str) for k in answer[2]) and \
+            ((answer[0] == "ok" and isinstance(answer[1], Returned)) or
+             (answer[0] == "error" and isinstance(answer[1], AdapterError))):
+        return answer
+    raise _Refused(f"an answer to a call of another form: {repr(answer)[:120]}")
+
+
+def _large(a: Any) -> bool:
+    import numpy as np
+
+    return isinstance(a, np.ndarray) and a.nbytes >= SHARE_ABOVE and not a.dtype.hasobject
+
+
+def _create(nbytes: int, name: str | None = None) -> Any:
+    from multiprocessing import shared_memory
+
+    block = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    memory.populate(block, write=True)
+    return block
+
+
+def _take(shared: _Shared) -> Any:
+    """The array the worker left in the block ``shared.name``, made this process's own without
+    a copy: the array owns a mapping of the block, whose name is unlinked at once, so its
+    memory goes with the array.  (Copying it out instead writes a fresh [V, d] array: 0.1-0.6 s
+    of page faults at GPT-2 size on a VM, where mapping the populated block takes ~0.01 s.)
+    _Refused when the block is missing or smaller than the array said to be in it."""
+    import mmap
+    from multiprocessing import shared_memory
+
+    dtype = _dtype_of(shared.dtype)
+    try:
+        block = shared_memory.SharedMemory(name=shared.name)
+    except (FileNotFoundError, OSError) as exc:
+        raise _Refused(f"a result block {shared.name!r} that cannot be opened "
+                       f"({type(exc).__name__})") from None
+    _BLOCKS.discard(shared.name)
+    try:
+        nbytes = math.prod(shared.shape) * dtype.itemsize
+        if block.size < nbytes:
+            raise _Refused(f"a result block of {block.size} bytes for an array of {nbytes}")
+        # a mapping of the array's own: the block's goes when the block is closed, even
+        # under an array viewing it, so its descriptor is mapped again
+        mapping = mmap.mmap(block._fd, block.size)  # type: ignore[attr-defined]
+    finally:
+        block.close()
+        block.unlink()
+    return memory.over(mapping, shared.shape, dtype, write=False)
+
+
+def _in_block(a: Any, block: Any) -> Any:
+    """The array of ``a``'s shape and dtype that ``block`` holds (or is to hold)."""
+    import numpy as np
+
+    return np.ndarray(a.shape, dtype=a.dtype, buffer=block.buf)
+
+
+def _write(a: Any, block: Any) -> _Shared:
+    import numpy as np
+
+    np.copyto(_in_block(a, block), a, casting="no")
+    return _Shared(block.name, tuple(a.shape), _dtype_token(a.dtype))
+
+
+def _attach(name: str, attached: dict[str, Any]) -> Any:
+    """The block ``name``, mapped once and kept: the same blocks come back call after call, and
+    a mapping already faulted in costs nothing the next time."""
+    block = attached.get(name)
+    if block is None:
+        from multiprocessing import shared_memory
+
+        block = attached[name] = shared_memory.SharedMemory(name=name)
+        memory.populate(block, write=False)
+    return block
+
+
+def _view(x: Any, attached: dict[str, Any]) -> Any:
+    """The array behind a :class:`_Shared` (a view into its block), else ``x`` itself."""
+    if not isinstance(x, _Shared):
+        return x
+    import numpy as np
+
+    return np.ndarray(x.shape, dtype=_dtype_of(x.dtype), buffer=_attach(x.name, attached).buf)
+
+
+def _release(blocks: Any, *, unlink: bool) -> None:
+    """Close (and unlink) every block of ``blocks`` (a list, or a dict's values), then empty
+    it.  A block whose buffer is exported (a memoryview of it) stays mapped until that goes;
+    a numpy array over it exports nothing and would be left viewing unmapped memory, so no
+    array may view a block released here."""
+    for block in list(blocks.values() if isinstance(blocks, dict) else blocks):
+        try:
+            block.close()
+        except BufferError:
+            pass
+        if unlink:
+            _BLOCKS.discard(block.name)
+            try:
+                block.unlink()
+            except (FileNotFoundError, OSError):
+                pass
+    blocks.clear()
+
+
+def _written_over(inputs: Mapping[str, Any], written: Mapping[str, Any]) -> set[str]:
+    """The inputs sent through shared memory (``written``: the block each went into) whose
+    block no longer holds, bit for bit, what this process wrote there.  The worker hands those
+    to the adapter uncopied (see :class:`~core.adapters.PrivateInputs`): its write into
+    one shows here, and the caller's own array never saw it."""
+    from tyingspec._src.core.adapters import same_bits
+
+    return {k for k, block in written.items() if not same_bits(inputs[k],
+                                                               _in_block(inputs[k], block))}
+
+
+def _forget(attached: dict[str, Any], keep: set[str]) -> None:
+    """Close the attached blocks the other process no longer sends (it has unlinked them)."""
+    gone = {n: b for n, b in attached.items() if n not in keep}
+    for name in gone:
+        del attached[name]
+    _release(gone, unlink=False)
+
+
+def _unlink(name: str | None) -> None:
+    """Unlink the block ``name`` if there is one: a call's result block that was not taken (the
+    call failed, or the worker was killed before it could answer)."""
+    from multiprocessing import shared_memory
+
+    if name is None:
+        return
+    _BLOCKS.discard(name)
+    try:
+        block = shared_memory.SharedMemory(name=name)
+    except (FileNotFoundError, OSError):
+        return
+    _release([block], unlink=True)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with status {code}"
+
+
+def _serve(conn: Connection, spec: str, kind: str, paths: tuple[str, ...]) -> None:
+    """The worker's loop: import the target once, then answer calls until told to stop; then
+    end whatever the target forked (see :func:`_end_group`)."""
+    faulthandler.enable()
+    _own_group()
+    try:
+        _load_and_answer(conn, spec, kind, paths)
+    finally:
+        _end_group()
+
+
+def _load_and_answer(conn: Connection, spec: str, kind: str, paths: tuple[str, ...]) -> None:
+    """Import the target and say how that went, then answer calls until told to stop."""
+    for path in reversed(paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    from tyingspec._src.core.adapters import AdapterError
+    from tyingspec._src.kinds.table import KINDS, fitting, resolve
+
+    table = KINDS[kind]  # type: ignore[index]
+    try:
+        fn = resolve(spec, kind)
+        problem, fits = fitting(fn, kind)
+        _send(conn, spec, ("loaded", problem, fits))
+    except AdapterError as exc:
+        _send(conn, spec, ("error", exc))
+        return
+    except BaseException as exc:  # noqa: BLE001  (SystemExit at import included)
+        _send(conn, spec, ("error", AdapterError(spec, "import raised", got=_exc_text(exc))))
+        return
+    attached: dict[str, Any] = {}  # the parent's blocks, mapped once
+    try:
+        _answer(conn, spec, fn, table, attached)
+    finally:
+        _release(attached, unlink=False)
+
+
+def _send(conn: Connection, spec: str, answer: tuple[Any, ...], *,
+          kept: set[str] | None = None) -> None:
+    """Send ``answer`` as a frame (see :func:`_encode`), the answer to a call when ``kept``
+    (the blocks whose views the adapter kept) is given.  One the channel cannot carry goes as
+    the AdapterError that says what it held: the worker never falls back to a pickle."""
+    from tyingspec._src.core.adapters import AdapterError
+
+    try:
+        frame = _encode(answer)
+    except _Unsendable as exc:
+        error = AdapterError(spec, "gave the worker something it cannot send to tyingspec",
+                             expected="plain data (numbers, strings, containers, numeric "
+                                      "arrays)", got=str(exc))
+        frame = _encode(("error", error) if kept is None else ("error", error, kept))
+    conn.send_bytes(frame)
+
+
+def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str, Any]
+            ) -> None:
+    """Answer calls until told to stop.  A large dE goes back in a new block, under the name
+    the parent chose for the call: the parent takes the block over, and can unlink that name
+    whatever becomes of this process."""
+    # blocks the adapter kept a view of, each with a weak reference to that view: mapped while
+    # it is alive (closing a block unmaps it under any array still viewing it)
+    held: list[tuple[Any, Any]] = []
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return
+            if message is None:
+                return
+            gone = [b for b, view in held if view() is None]
+            held[:] = [(b, view) for b, view in held if view() is not None]
+            _release(gone, unlink=False)
+            reply, block = _call(spec, fn, table, message, attached, held)
+            try:
+                _send(conn, spec, reply, kept=reply[2])
+            finally:
+                if block is not None:  # sent or not, it is the parent's to unlink
+                    block.close()
+    finally:
+        _release([b for b, _ in held], unlink=False)
+
+
+def _call(spec: str, fn: Any, table: Any, message: tuple[str, dict[str, Any]],
+          attached: dict[str, Any], held: list[tuple[Any, Any]]
+          ) -> tuple[tuple[str, Any, set[str]], Any]:
+    """One call on what the parent sent (the result block's name, the inputs): the reply
+    (``"ok"`` and the result, or ``"error"`` and the AdapterError; and the names of the blocks
+    whose views the adapter kept) and the block dE went into, if any."""
+    from tyingspec._src.core.adapters import AdapterError, PrivateInputs
+
+    result, sent = message
+    shared = {k for k, v in sent.items() if isinstance(v, _Shared)}
+    _forget(attached, {sent[k].name for k in shared})
+    # the views are this call's own (the parent wrote the blocks for it and checks them after
+    # it): the adapter gets them uncopied
+    inputs: dict[str, Any] = PrivateInputs(
+        {k: _view(v, attached) for k, v in sent.items()}, shared)
+    # every array derived from a view (a slice, a torch tensor) keeps the view itself alive
+    views = {sent[k].name: weakref.ref(inputs[k]) for k in shared}
+    block = None
+    payload: Any
+    try:
+        returned = table.invoke(spec, fn, inputs)
+        inputs = {}
+        if _large(returned.dE):
+            block = _create(returned.dE.nbytes, result)
+            returned = replace(returned, dE=_write(returned.dE, block))
+        status, payload = "ok", returned
+    except AdapterError as exc:
+        # a copy without the traceback, whose frames hold the views
+        status, payload = "error", copy.copy(exc)
+    except BaseException as exc:  # noqa: BLE001  (SystemExit, KeyboardInterrupt, ...)
+        status, payload = "error", AdapterError(spec, "raised an exception",
+                                                got=_exc_text(exc))
+    inputs = {}
+    # A view still alive is the adapter's (a cache, a head kept from the first call), held as
+    # its own copy, as in-process: its block is never written again, and stays mapped here.
+    kept = {name for name, view in views.items() if view() is not None}
+    held += [(attached.pop(name), views[name]) for name in kept]
+    return (status, payload, kept), block
+
+
+# ---- no process of a run outlives it -------------------------------------------------------
+
+#: Every worker process this process started and has not reaped yet, by pid (which is also its
+#: process group's id): what :func:`_end_all` kills.
+_LIVE: dict[int, _Process] = {}
+#: The shared blocks this process made for its workers' calls (inputs) or named for their
+#: results, until unlinked or taken: what :func:`_end_all` unlinks.
+_BLOCKS: set[str] = set()
+#: Signals whose default action ends this process without its exit handlers (a terminal's
+#: hang-up, a ``kill``, and SIGINT if it was reset to the default).
+_ENDING = ("SIGTERM", "SIGHUP", "SIGINT")
+_installed = {"atexit": False, "signals": False}
+
+
+def _own_group() -> None:
+    """Make this worker the leader of a process group of its own, which whatever its target
+    forks joins: one ``killpg`` ends them all.  Out of the terminal's foreground group, the
+    worker no longer gets a Ctrl-C or a hang-up: the parent decides when it ends.  A SIGTERM
+    (``Process.terminate``) ends the whole group too."""
+    if not hasattr(os, "setpgrp"):
+        return
+    try:
+        os.setpgrp()
+    except OSError:
+        return
+    signal.signal(signal.SIGTERM, _end_group_on_signal)
+
+
+def _end_group_on_signal(signum: int, frame: FrameType | None) -> None:
+    _end_group()
+
+
+def _end_group() -> None:
+    """The worker's last act: SIGKILL its process group, itself included, so that nothing its
+    target forked outlives it, even when the parent was killed (the worker then reads the
+    end of the pipe).  Its answers are in the pipe already; its output is flushed first."""
+    if not hasattr(os, "killpg") or os.getpgrp() != os.getpid():
+        return  # not a group of its own: the group is its parent's
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed by the target, or None
+            pass
+    os.killpg(os.getpid(), signal.SIGKILL)
+
+
+def _kill(proc: _Process) -> None:
+    """SIGKILL the process group of the worker ``proc`` (what its target forked, and the
+    worker), then the worker itself (should it have left that group)."""
+    pgid = proc.pid
+    if hasattr(os, "killpg") and pgid not in (None, 0, 1, os.getpgrp()):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # no such group (any more)
+    try:
+        proc.kill()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _exited(proc: _Process, timeout: float) -> None:
+    """Wait up to ``timeout`` for the worker ``proc`` to exit, without reaping it: until it is
+    reaped its pid, its process group's id, is no one else's, so :func:`_kill` cannot reach
+    another process's group."""
+    deadline = time.monotonic() + timeout
+    if not hasattr(os, "waitid"):
+        proc.join(timeout)
+        return
+    while True:
+        try:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return
+        except ChildProcessError:  # reaped already
+            return
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
+
+
+def _reap(proc: _Process, result: str | None) -> None:
+    """Wait for a worker told to stop, then kill its process group (whatever its target
+    forked, and the worker if it lingers) and reap it.  Then unlink ``result``, the block a
+    call still unanswered may have left: only now can the worker not create it."""
+    _exited(proc, 0.5)
+    _kill(proc)
+    proc.join(5)
+    _LIVE.pop(proc.pid, None)
+    _unlink(result)
+
+
+def _end_all() -> None:
+    """Kill every worker of this process with whatever its target forked, wait for each to
+    be gone (it can create no block then), and unlink every shared block made for them."""
+    procs = list(_LIVE.values())
+    for proc in procs:
+        _kill(proc)
+    for proc in procs:
+        try:
+            proc.join(2)
+        except (OSError, ValueError, AssertionError):
+            pass
+        _LIVE.pop(proc.pid, None)
+    for name in list(_BLOCKS):
+        _unlink(name)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """End the workers, then die of ``signum`` as its default action would have."""
+    _end_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # pragma: no cover - the signal ends the process first
+
+
+def _after_fork_in_child() -> None:
+    """A process forked from this one (a worker's target forking, or a program that forks
+    after a check) started none of these workers and ends none of them; its signals do what
+    they did before tyingspec's handlers (a worker's SIGTERM ends the group the worker
+    leads, which a child of the worker does not)."""
+    _LIVE.clear()
+    _BLOCKS.clear()
+    for name in _ENDING:
+        signum = getattr(signal, name, None)
+        try:
+            if signum is not None and \
+                    signal.getsignal(signum) in (_on_signal, _end_group_on_signal):
+                signal.signal(signum, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def install_signal_cleanup() -> None:
+    """Make this process end its workers, and whatever their targets forked, however it ends:
+    at exit (which an uncaught KeyboardInterrupt reaches) and on SIGTERM, SIGHUP or a SIGINT
+    reset to the default, which would otherwise end it without a word to them (a worker has
+    a process group of its own, out of reach of the terminal's signals).  A signal that has a
+    handler already (someone else's) or is ignored is left alone.  Called at each launch of
+    a worker; only the main thread can install signal handlers, so a launch from another
+    thread leaves them to a later one."""
+    if not _installed["atexit"]:
+        _installed["atexit"] = True
+        # nothing else ends the workers at exit (they are no multiprocessing children), nor
+        # what their targets forked
+        atexit.register(_end_all)
+    if _installed["signals"] or threading.current_thread() is not threading.main_thread():
+        return
+    _installed["signals"] = True
+    for name in _ENDING:
+        signum = getattr(signal, name, None)
+        if signum is None:
+            continue
+        try:
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                signal.signal(signum, _on_signal)
+        except (OSError, ValueError):
+            pass
+
+
+def _exc_text(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+class _Process:
+    """A worker started by :func:`_start`, with what this module uses of a
+    ``multiprocessing.Process``: ``exitcode`` is None while it runs, its status once it has
+    exited, minus the signal's number when a signal killed it."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self._popen.kill()  # no signal once reaped: its pid may be another process's by then
+
+    def terminate(self) -> None:
+        self._popen.terminate()
+
+
+#: What ``python -c`` runs in the worker (:mod:`engine.worker`, named here as a string so that
+#: this module does not import the worker's, which imports this one).  ``sys`` is built in: the
+#: parent's ``sys.path`` is in place before anything is imported from a path (the ``''`` that
+#: ``-c`` puts first is gone with it).
+BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[3:]; "
+             "from tyingspec._src.engine.worker import main; main(sys.argv[1], sys.argv[2])")
+
+
+def _start(spec: str, kind: str, paths: tuple[str, ...]) -> tuple[_Process, Connection]:
+    """Start a worker for ``spec`` (see :mod:`engine.worker`) and return it with this
+    process's end of the connection to it."""
+    from multiprocessing import resource_tracker
+
+
+    parent, child = multiprocessing.Pipe()  # a socket pair: the same channel spawn gave
+    # the tracker of this process's shared blocks, which the worker registers its own with (as
+    # a spawned child did): started here if it is not yet
+    tracker = resource_tracker.getfd()
+    fds = (child.fileno(),) if tracker is None else (child.fileno(), tracker)
+    # the interpreter's own options (-O, -W, -X, -I, ...) as a spawned child had them
+    flags: list[str] = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    where = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))]
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, *flags, "-c", BOOTSTRAP, str(child.fileno()),
+             str(-1 if tracker is None else tracker), *where],
+            stdin=subprocess.DEVNULL, pass_fds=fds,
+            # a group of its own from the start, which no Ctrl-C of the terminal reaches;
+            # _kill can end it (and what the target forks) before the worker has run a line
+            process_group=0)
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    proc = _Process(popen)
+    _LIVE[proc.pid] = proc
+    try:
+        # the rest of what the worker needs comes by the pipe; its sys.argv is this process's,
+        # for a target that reads it as it imports, as under spawn
+        parent.send((spec, kind, paths, list(sys.argv)))
+    except BaseException:
+        parent.close()
+        _reap(proc, None)
+        raise
+    return proc, parent
+
+
+@dataclass(eq=False)
+class Worker:
+    """A persistent worker process for one target; restarted after a crash or a timeout."""
+
+    spec: str
+    kind: str
+    timeout: float = DEFAULT_TIMEOUT
+    paths: tuple[str, ...] = ()  # put first on the worker's sys.path (where user code lives)
+    signature_problem: str | None = None
+    fits: list[str] = field(default_factory=list)
+    _proc: _Process | None = None
+    _conn: Connection | None = None
+    _loading: float | None = None  # the load's deadline while its answer is still to come
+    _running: float | None = None  # a submitted call's deadline while its answer is to come
+    _pool: list[Any] = field(default_factory=list)  # blocks this process made for inputs
+    # the call in flight: its inputs, and the block of the pool each large one was written to
+    _sent: tuple[Mapping[str, Any], dict[str, Any]] | None = None
+    _result: str | None = None  # the name of its result block, until its answer is read
+
+    def launch(self) -> None:
+        """Start the worker and let it import the target while this process goes on; the
+        answer is :meth:`wait_loaded`'s (every call waits for it first)."""
+        install_signal_cleanup()
+        proc, parent = _start(self.spec, self.kind, self.paths)
+        self._proc, self._conn = proc, parent
+        self._loading = time.monotonic() + LOAD_TIMEOUT
+
+    def wait_loaded(self, *, block: bool = True) -> bool:
+        """Wait for the import and signature check; AdapterError when they failed.  With
+        ``block=False`` only an answer already there is read: False while none is."""
+        if self._loading is None:
+            return True
+        if not block and not self._answered():
+            return False
+        reply = self._receive(self._loading, LOAD_TIMEOUT, "importing the target",
+                              _loaded_answer)
+        self._loading = None
+        if reply[0] == "error":
+            self.stop()
+            raise reply[1]
+        _, self.signature_problem, self.fits = reply
+        return True
+
+    def start(self) -> None:
+        """Start the worker and import the target; AdapterError when that fails."""
+        self.launch()
+        self.wait_loaded()
+
+    def _answered(self) -> bool:
+        assert self._conn is not None
+        try:
+            return bool(self._conn.poll(0))
+        except (EOFError, OSError):
+            return True  # the worker is gone: reading says how
+
+    def _receive(self, deadline: float, timeout: float, during: str,
+                 form: Callable[[Any], Any]) -> Any:
+        """The worker's next answer, decoded (never unpickled) and of the ``form`` expected
+        (see :func:`_loaded_answer`); AdapterError when it timed out, died or sent anything
+        else (then the worker is killed)."""
+        from tyingspec._src.core.adapters import AdapterError
+
+        assert self._conn is not None and self._proc is not None
+        while True:
+            left = deadline - time.monotonic()
+            try:  # one look even past the deadline: the answer may have come meanwhile
+                ready = self._conn.poll(min(max(left, 0.0), 0.5))
+            except (EOFError, OSError):
+                ready = True
+            if ready:
+                try:
+                    frame = self._conn.recv_bytes()
+                except (EOFError, OSError):
+                    self._proc.join(5)
+                    raise self._ended(during) from None
+                try:
+                    return form(_decode(frame))
+                except _Refused as exc:
+                    raise self._refused(during, str(exc)) from None
+            if not self._proc.is_alive():
+                raise self._ended(during)
+            if left <= 0:
+                self.stop()
+                raise AdapterError(self.spec, f"timed out after {timeout:g} s while {during}",
+                                   expected="a result within --timeout",
+                                   got="no answer; the worker was killed")
+
+    def _refused(self, during: str, what: str) -> Exception:
+        """The worker sent what the parent does not take: stop it (the next call gets a
+        fresh one) and say what was refused."""
+        from tyingspec._src.core.adapters import AdapterError
+
+        self.stop()
+        return AdapterError(self.spec, f"the worker sent a message the parent refused while "
+                            f"{during}", expected="plain data in tyingspec's message format",
+                            got=f"{what}; the worker was killed")
+
+    def _ended(self, during: str) -> Exception:
+        """The worker is gone: stop what is left of it and say how it ended."""
+        from tyingspec._src.core.adapters import AdapterError
+
+        code = None if self._proc is None else self._proc.exitcode
+        self.stop()
+        return AdapterError(self.spec, f"the worker process {_describe_exit(code)} while "
+                            f"{during}", expected="a returned result",
+                            got="no result (the process ended)")
+
+    def _message(self, inputs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """A fresh name for the call's result block, and ``inputs`` with each large array
+        written into a block of this process's pool: a block of the same size is reused
+        (already mapped and faulted in), the others go.  Which block each went into is kept
+        for :meth:`collect`."""
+        free, written = list(self._pool), {}
+        message: dict[str, Any] = {}
+        for k, v in inputs.items():
+            if not _large(v):
+                message[k] = v
+                continue
+            block = next((b for b in free if b.size == v.nbytes), None)
+            if block is None:
+                block = _create(v.nbytes)
+                _BLOCKS.add(block.name)
+            else:
+                free.remove(block)
+            written[k] = block
+            message[k] = _write(v, block)
+        _release(free, unlink=True)
+        self._pool = list(written.values())
+        self._sent = (inputs, written)
+        self._result = f"tyingspec_{secrets.token_hex(8)}"
+        _BLOCKS.add(self._result)
+        return self._result, message
+
+    def submit(self, inputs: Mapping[str, Any]) -> None:
+        """Send one call of the target on ``inputs`` to the worker (started or restarted
+        first, as needed); :meth:`collect` waits for its answer, within the timeout."""
+        if self._loading is not None:
+            self.wait_loaded()  # an import error is read even when the worker has exited
+        if self._proc is None or not self._proc.is_alive():
+            self.start()
+        assert self._conn is not None
+        message = self._message(inputs)
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, OSError):
+            self.stop()
+            self.start()
+            message = self._message(inputs)
+            assert self._conn is not None
+            self._conn.send(message)
+        self._running = time.monotonic() + self.timeout
+
+    def collect(self) -> Any:
+        """The answer to the call :meth:`submit` sent: the validated result (its dE taken over
+        from the worker's block, and the inputs written over in their blocks added to its
+        ``mutated``), or the AdapterError it raised."""
+        assert self._running is not None and self._sent is not None
+        deadline, self._running = self._running, None
+        (inputs, written), self._sent = self._sent, None
+        # no answer (a timeout, a dead worker, a refused one): stop() has reaped the worker
+        # and unlinked the result block, or will (an interrupt)
+        status, payload, kept = self._receive(deadline, self.timeout, "running the call",
+                                              _call_answer)
+        result, self._result = self._result, None
+        try:
+            if status == "error":
+                raise payload
+            returned = payload
+            changed = _written_over(inputs, written)
+            if changed:  # named in the inputs' order, as the worker names the others
+                names = changed | set(returned.mutated)
+                returned = replace(returned, mutated=tuple(k for k in inputs if k in names))
+            if isinstance(returned.dE, _Shared):
+                if returned.dE.name != result:  # another block: a pool block, anyone's
+                    raise self._refused("running the call", f"a result in the block "
+                                        f"{returned.dE.name!r}, not the call's {result!r}")
+                try:
+                    returned = replace(returned, dE=_take(returned.dE))
+                except _Refused as exc:
+                    raise self._refused("running the call", str(exc)) from None
+                result = None  # taken: its name is unlinked
+        finally:
+            _unlink(result)  # a block the worker made before it failed, or one not taken
+            self._retire(kept)
+        return returned
+
+    def _retire(self, names: set[str]) -> None:
+        """Take the blocks ``names`` out of the pool: the adapter keeps views of them as its
+        own copies of its inputs, which the next call's inputs must not be written over (the
+        worker keeps them mapped; unlinked here, they go when those views go)."""
+        if names:
+            _release([b for b in self._pool if b.name in names], unlink=True)
+            self._pool = [b for b in self._pool if b.name not in names]
+
+    def invoke(self, inputs: Mapping[str, Any]) -> Any:
+        """One call of the target on ``inputs`` in the worker; restarts a dead worker first."""
+        self.submit(inputs)
+        return self.collect()
+
+    def stop(self, *, wait: bool = True) -> None:
+        """End the worker (politely, then by force) and free the shared blocks.  With
+        ``wait=False`` a background thread waits for the exit (a torch worker takes ~0.3 s
+        to finalise) and kills a worker that lingers; the process is never left behind: this
+        process ends it at exit (see :func:`install_signal_cleanup`)."""
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        self._loading = self._running = None
+        self._sent = None
+        result, self._result = self._result, None
+        if conn is not None:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+            conn.close()
+        _release(self._pool, unlink=True)
+        if proc is None:
+            return
+        if wait:
+            _reap(proc, result)
+        else:
+            threading.Thread(target=_reap, args=(proc, result),
+                             name=f"tyingspec-reap:{self.spec}", daemon=True).start()
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.stop()
+        except Exception:  # noqa: BLE001
+            pass

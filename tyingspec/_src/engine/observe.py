@@ -1,0 +1,593 @@
+"""The engine: observe a target on one case and judge it.  Every front end goes through here.
+
+``tyingspec check``, every property, the pytest plugin and the kill matrix call :func:`observe`
+(or, for a metamorphic property that needs a call on changed inputs, :func:`call`,
+:func:`reference` and :func:`judge`); none of them builds an adapter's inputs, calls it, picks a
+reference or a precision, or sets a tolerance itself.  What differs between adapter kinds lives
+in the table of :mod:`kinds.table`.
+
+One observation:
+
+1. build the case's arrays (in the declared precision, when one is declared);
+2. hand the kind's inputs to the adapter (copies) and validate what it returned;
+3. build the float64 reference for those inputs (sympy on small shapes, closed form beyond);
+4. decide the precision it is judged at (declared, or the least precise float it returned);
+5. judge: the loss first (a different forward cannot be judged against this reference), then
+   every row of dE against its rounding bound (at production sizes the rows of absent tokens
+   through projections, see ``core.paths.Sketch``), then dW and db; a verdict that
+   holds only at the next lower precision is ``precision_limited``, not a path bug;
+6. call again, as the kind says: a model after one SGD step with the dE it returned (on the
+   first ``SECOND_CALL_POSITIONS`` positions), a kernel on the same inputs.  A tie that is a
+   copy, or a gradient buffer never zeroed, is right on the first call and wrong from the
+   second on, and is named as such (``tie_is_a_copy``, ``gradient_not_zeroed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, get_args
+
+import numpy as np
+
+from tyingspec._src.core.adapters import AdapterError, Returned
+from tyingspec._src.core.cases import PROBE_CASES, Batch, Case, at_shape, build, sgd_step
+from tyingspec._src.core.diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
+from tyingspec._src.core.paths import Paths, closed_form_paths
+from tyingspec._src.core.tolerance import (
+    LOWER,
+    Precision,
+    Terms,
+    Tolerance,
+    least_precise,
+    row_tolerance,
+    value_tolerance,
+)
+from tyingspec._src.engine.isolation import DEFAULT_TIMEOUT, Worker
+from tyingspec._src.kinds.table import KINDS, Kind, KindSpec, fitting, kind_spec, resolve
+
+PrecisionChoice = Literal["auto", "float64", "float32", "bfloat16", "float16"]
+PRECISION_CHOICES: tuple[PrecisionChoice, ...] = get_args(PrecisionChoice)
+Stage = Literal["first call", "after one SGD step"]
+FIRST_CALL: Stage = "first call"
+AFTER_STEP: Stage = "after one SGD step"
+Status = Literal["correct", "no_power", "wrong", "adapter_error"]
+
+#: The call after the SGD step sees at most this many positions of the batch: it is there to
+#: catch state kept between calls (a copied tie, an unzeroed buffer), which any batch shows,
+#: and a short one keeps its cost a small part of a check at production sizes.
+SECOND_CALL_POSITIONS = 64
+
+
+@dataclass(frozen=True)
+class Target:
+    """An adapter resolved in this process: its spec, kind, the callable, the precision."""
+
+    spec: str
+    kind: Kind
+    fn: Callable[..., Any]
+    precision: PrecisionChoice = "auto"
+    worker: Worker | None = None  # a module:attr target runs in its own process
+    # first calls whose batch (and reference) were built while the worker loaded, by case
+    _prepared: dict[Case, _Prepared] = field(default_factory=dict, compare=False, repr=False)
+
+    def close(self) -> None:
+        """Stop the target's worker process, if it has one."""
+        self._prepared.clear()
+        if self.worker is not None:
+            self.worker.stop(wait=False)  # its exit overlaps whatever this process does next
+
+    @property
+    def table(self) -> KindSpec:
+        return KINDS[self.kind]
+
+    def __repr__(self) -> str:
+        return f"Target({self.spec!r}, {self.kind!r}, precision={self.precision!r})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # Hypothesis' falsifying example would otherwise list the dataclass field by field.
+        printer.text(repr(self))
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A first call's batch, inputs and (when its precision is declared) reference, built
+    while the worker loaded (see :func:`load`)."""
+
+    case: Case  # tokens and targets spelled out
+    batch: Batch
+    inputs: dict[str, Any]
+    paths: Paths | None
+
+
+#: Kinds whose reference is a function of the inputs and the precision alone (a torch model's
+#: is observed in its call): with a declared precision, the first call's is built while the
+#: worker loads.  Not while it runs a call: on two cores numpy's and torch's thread pools then
+#: slow each other down by about what the overlap saves (measured: no gain at GPT-2 size).
+_REFERENCE_FIRST = ("model", "kernel")
+
+
+def _remote(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("this target runs in its worker process: use tyingspec's engine.call")
+
+
+def load(spec: str, kind: str, precision: PrecisionChoice = "auto", *,
+         isolate: bool = True, timeout: float = DEFAULT_TIMEOUT,
+         paths: tuple[str, ...] = (), prepare: Sequence[Case] = ()) -> Target:
+    """Resolve ``spec`` as an adapter of ``kind``; its signature is compared with the kind's
+    contract before any call, and a mismatch says which kind it looks like.
+
+    A ``module:attr`` target is imported and called in a worker process (``isolate``), with
+    ``paths`` put first on its ``sys.path`` and each call limited to ``timeout`` seconds;
+    built-in targets run in-process.  While the worker imports the target (a second or more
+    for a module that imports torch), the first calls of the ``prepare`` cases are built: their
+    batches, and their references when the precision is declared.  Call :meth:`Target.close`
+    when done."""
+    try:
+        table = kind_spec(kind)
+    except ValueError as exc:
+        raise AdapterError(spec, str(exc)) from None
+    worker: Worker | None = None
+    prepared: dict[Case, _Prepared] = {}
+    if isolate and ":" in spec:
+        worker = Worker(spec, table.name, timeout, paths)
+        worker.launch()
+        try:
+            _prepare(Target(spec, table.name, _remote, precision, worker, prepared), prepare)
+            worker.wait_loaded()
+        except BaseException:
+            worker.stop()
+            raise
+        fn: Callable[..., Any] = _remote
+        problem, fits = worker.signature_problem, worker.fits
+    else:
+        fn = resolve(spec, kind)
+        problem, fits = fitting(fn, table.name)
+    if problem is not None:
+        if worker is not None:
+            worker.stop()
+        hint = (f"; it looks like a {fits[0]} adapter ({kind_spec(fits[0]).contract}): "
+                f"rerun with --kind {fits[0]}") if fits else ""
+        raise AdapterError(spec, f"does not match the {kind} contract{hint}",
+                           expected=table.contract, got=problem)
+    return Target(spec, table.name, fn, precision, worker, prepared)
+
+
+def _prepare(target: Target, cases: Sequence[Case]) -> None:
+    """Build the first calls of ``cases`` while ``target``'s worker is still loading.  An error
+    the worker already reported ends the load at once; a case that cannot be built is left
+    for its first call, to fail where it always did."""
+    assert target.worker is not None
+    if target.table.own_shape or target.kind not in _REFERENCE_FIRST or \
+            target.table.complete is not None:
+        return
+    for case in cases:
+        try:
+            spelled, batch = batch_for(target, case)
+            inputs = target.table.inputs(batch)
+        except Exception:  # noqa: BLE001  (raised again by the first call)
+            return
+        target.worker.wait_loaded(block=False)
+        paths = None
+        if target.precision != "auto":
+            try:
+                paths = target.table.reference(batch, inputs, target.precision, None)
+            except Exception:  # noqa: BLE001  (raised again by the first call)
+                paths = None
+        target._prepared[case] = _Prepared(spelled, batch, inputs, paths)
+
+
+def declared(target: Target, case: Case) -> Case:
+    """The case in the target's declared precision (arrays are built in it)."""
+    if target.precision == "auto" or case.dtype == target.precision:
+        return case
+    return replace(case, dtype=target.precision)
+
+
+def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
+    """Call the target on a batch's inputs for its kind, any of them replaced."""
+    return _invoke(target, target.table.inputs(batch) | overrides)
+
+
+def _invoke(target: Target, inputs: dict[str, Any]) -> Returned:
+    if target.table.takes_precision:
+        inputs = inputs | {"precision": target.precision}
+    if target.worker is not None:
+        returned: Returned = target.worker.invoke(inputs)
+        return returned
+    return target.table.invoke(target.spec, target.fn, inputs)
+
+
+def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
+              **overrides: Any) -> Paths:
+    """The two-path reference for the inputs :func:`call` hands over, for a check judged at
+    ``precision`` (float64 arithmetic, or float32 at large shapes judged at float32 or below;
+    see ``core.cases.working_dtype``)."""
+    return target.table.reference(batch, target.table.inputs(batch) | overrides, precision, None)
+
+
+def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
+            paths: Paths | None = None) -> tuple[dict[str, Any], Returned, Paths, Precision]:
+    """One call and its reference on the same inputs, built once (a kernel's are a whole
+    forward pass of the probe model); ``paths``: the reference, already built at the declared
+    precision."""
+    if inputs is None:
+        inputs = target.table.inputs(batch)
+    returned = _invoke(target, inputs)
+    precision = precision_for(target, returned)
+    returned, paths = _judged(target, batch, inputs, precision, returned, paths)
+    return inputs, returned, paths, precision
+
+
+def _judged(target: Target, batch: Batch, inputs: dict[str, Any], precision: Precision,
+            returned: Returned, paths: Paths | None = None) -> tuple[Returned, Paths]:
+    """The reference of a call (unless already built), and what it returned as judged: a kind
+    with its own judgement (``complete``) derives both from the call."""
+    if target.table.complete is not None:
+        return target.table.complete(batch, inputs, precision, returned)
+    if paths is None:
+        paths = target.table.reference(batch, inputs, precision, returned)
+    return returned, paths
+
+
+def precision_for(target: Target, *returned: Returned) -> Precision:
+    """The precision a comparison is judged at: the declared one, else the least precise float
+    the adapter returned."""
+    if target.precision != "auto":
+        return target.precision
+    return least_precise(*[r.precision for r in returned])
+
+
+def row_bound(paths: Paths, precision: Precision) -> Tolerance:
+    """Each row's rounding bound at ``precision`` (see :mod:`core.tolerance`)."""
+    return row_tolerance(paths.bound_terms, precision)
+
+
+def value_bound(name: str, paths: Paths, precision: Precision) -> Tolerance:
+    """The rounding bound of another output (``loss``, ``dW`` or ``db``) on ``paths``: its own
+    terms' magnitudes, or the reference value's when the paths carry none."""
+    terms = paths.terms or Terms(rows=np.zeros(0), k=1.0)
+    magnitude = {"loss": terms.loss or None, "dW": terms.dW, "db": terms.db}[name]
+    if magnitude is None:
+        magnitude = np.abs(np.asarray(getattr(paths, name), dtype=np.float64))
+    return value_tolerance(terms, precision, magnitude)
+
+
+def other_checks(returned: Returned, paths: Paths, precision: Precision) -> list[ArrayCheck]:
+    """The loss, dW and db a model returned, against the reference under their bounds."""
+    if returned.loss is None:
+        return []
+    names = ["loss"] + (["dW"] if returned.dW is not None else []) + \
+        (["db"] if paths.db is not None and returned.db is not None else [])
+    return [compare(n, getattr(returned, n), getattr(paths, n), value_bound(n, paths, precision))
+            for n in names]
+
+
+def _judge_at(returned: Returned, paths: Paths, precision: Precision) -> Diagnosis:
+    others = other_checks(returned, paths, precision)
+    diag = diagnose(returned.dE, paths, dtype=precision, others=others,
+                    mutated=returned.mutated)
+    loss = next((c for c in others if c.name == "loss"), None)
+    if loss is not None and not loss.ok:
+        # The reference is the probe model's: against another forward no path can be judged.
+        diag = replace(diag, label="forward_mismatch", detail=(
+            f"your loss differs from the probe model's by {loss.max_abs_error:.3g} "
+            f"(reference {paths.loss:.6g}, allowed {loss.tolerance.describe()}); the gradient "
+            "cannot be judged against this reference"))
+    return diag
+
+
+def judge(returned: Returned, paths: Paths, precision: Precision) -> Diagnosis:
+    """The diagnosis of what an adapter returned, judged at ``precision``."""
+    diag = _judge_at(returned, paths, precision)
+    lower = LOWER.get(precision)
+    if diag.wrong and diag.label != "inputs_mutated" and lower is not None:
+        low = _judge_at(returned, paths, lower)
+        # only a lower bound that still has power can vouch for the rows ("no power" there
+        # means every wrong gradient would pass it too)
+        if low.label == "correct":
+            diag = replace(diag, label="precision_limited", detail=(
+                f"every row within the {lower} bound, beyond the {precision} bound (worst row "
+                f"{diag.margin:.3g}x its {precision} bound); rerun with --precision {lower}"))
+    return _with_findings(_padding(diag, returned, paths, precision), returned)
+
+
+def _padding(diag: Diagnosis, returned: Returned, paths: Paths,
+             precision: Precision) -> Diagnosis:
+    """A declared padding row that is wrong alone: zero (its output path was masked too), or
+    holding the input path padding_idx exempts it from (the mask skipped: pytorch #26302)."""
+    pad = paths.padding_idx
+    if pad is None or not diag.wrong or diag.wrong_rows != [pad]:
+        return diag
+    actual = np.asarray(returned.dE[pad], dtype=np.float64)
+    if not np.any(actual):
+        return replace(diag, label="padding_row_masked", detail=(
+            f"row {pad} (padding_idx) is zero, but the output path reaches it; padding_idx "
+            "exempts the input path only"))
+    if paths.pad_input is not None and np.any(paths.pad_input):
+        row = np.array([pad])
+        unmasked = paths.in_rows(row) + paths.out_rows(row) + paths.pad_input[None, :]
+        if row_bound(paths, precision).rows(row).close(actual[None, :], unmasked).all():
+            return replace(diag, label="padding_row_unmasked", detail=(
+                f"row {pad} (padding_idx) holds the input path of the positions that read it: "
+                "the backward skipped the padding mask (the pytorch #26302 family)"))
+    return diag
+
+
+#: Checks a wrong row outranks: they test the gradient too, and the row diagnosis says more.
+_AFTER_ROWS = ("gradient against the forward", "fresh gradient", "micro-batches accumulate",
+               "gradient after training steps")
+
+
+def _with_findings(diag: Diagnosis, returned: Returned) -> Diagnosis:
+    """The verdict of a call that ran named checks beyond rows (the torch kind): a broken tie,
+    identity or optimizer outranks the rows; the rows outrank the other gradient checks."""
+    if not returned.findings:
+        return diag
+    first = next((f for f in returned.findings if f.failed and f.check not in _AFTER_ROWS),
+                 None)
+    if first is None and not diag.wrong:
+        first = next((f for f in returned.findings if f.failed), None)
+    rows_label = diag.label
+    vouched = next((f for f in returned.findings if f.check == "gradient against the forward"
+                    and f.outcome == "passed" and f.power), None)
+    if first is None and diag.label == "no_power" and vouched is not None:
+        # the rows cannot tell at this precision (a bfloat16 model's bound can exceed a row),
+        # or are the model's own (uses not observed); the forward check can, and agrees
+        diag = replace(diag, label="correct", detail=(
+            f"{diag.detail}; the forward check has that power (it fails the gradient without "
+            "its input path) and agrees"))
+    if first is not None:
+        diag = replace(diag, label=first.label or "unknown",
+                       detail=f"{first.check}: {first.detail}")
+    return replace(diag, findings=returned.findings, rows_label=rows_label)
+
+
+def own_case(target: Target, case: Case) -> Case:
+    """``case`` at the target's own shape (see :func:`shape_of`; asked once per target), its
+    composition and seed kept: how a property draws batches for a torch model."""
+    shape = shape_of(target)
+    if shape is None:
+        return case
+    V, d, N = shape
+    if case.tokens is not None:
+        return replace(case, V=V, d=d, N=len(case.tokens), probe=False)
+    composition = case.composition if case.composition != "distinct" or N <= V else "random"
+    distinct = None if case.distinct is None else min(case.distinct, V, N)
+    return replace(case, V=V, d=d, N=N, probe=False, e_scale=1.0, composition=composition,
+                   distinct=distinct, dtype="float64")
+
+
+def shape_of(target: Target) -> tuple[int, int, int] | None:
+    """A kind whose batch shape is the target's own (a torch model's vocabulary, width and
+    batch_size x seq_len): that shape, asked of the target; None for other kinds."""
+    if not target.table.own_shape:
+        return None
+    tie = described(target)["tie"]
+    return int(tie["vocab"]), int(tie["width"]), int(tie["batch_size"]) * int(tie["seq_len"])
+
+
+_DESCRIBED: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def described(target: Target) -> dict[str, Any]:
+    """What a target says of itself (a linear-ce kernel: its form and the options it declares),
+    asked once per target."""
+    key = (target.spec, target.kind)
+    if key not in _DESCRIBED:
+        _DESCRIBED[key] = dict(_invoke(target, {"mode": "describe"}).evidence)
+    return _DESCRIBED[key]
+
+
+def runnable(target: Target, case: Case) -> str | None:
+    """Why ``case`` cannot run on ``target`` (it needs an option the target does not declare;
+    never silently treated as off); None when it can."""
+    if target.table.unfit is None:
+        return None
+    return target.table.unfit(described(target), case)
+
+
+def shaped(target: Target, cases: list[Case]) -> tuple[list[Case], list[str]]:
+    """The cases at the target's own shape (see :func:`shape_of`), those it can run, and notes
+    on what changed."""
+    if target.table.unfit is not None:
+        unfit = [(c.name, why) for c in cases if (why := runnable(target, c)) is not None]
+        cases = [c for c in cases if runnable(target, c) is None]
+        return cases, [f"left out {name}: {why}" for name, why in unfit]
+    shape = shape_of(target)
+    if shape is None:
+        return cases, []
+    V, d, N = shape
+    asked = {c.N for c in cases if c.given_shape and c.tokens is None}
+    if asked:
+        # --shape: the model's vocabulary and width, and the positions asked for (a sequence
+        # past its context length is the model's own error, reported as such)
+        batch = int(described(target)["tie"]["batch_size"])
+        wrong = [c for c in cases if c.given_shape and (c.V, c.d) != (V, d)]
+        if wrong or any(n % batch for n in asked):
+            raise AdapterError(target.spec, "--shape does not fit the model", key="--shape",
+                               expected=f"V={V} d={d} (the model's) and N a multiple of its "
+                                        f"batch size {batch}",
+                               got=f"V={cases[0].V} d={cases[0].d} N={cases[0].N}")
+        N = max(asked)
+    given = [replace(c, V=V, d=d, N=len(c.tokens or ()), probe=False)
+             for c in cases if c.tokens is not None]
+    kept, left_out = at_shape([c for c in cases if c.tokens is None and
+                               c.name not in PROBE_CASES], V, d, N)
+    left_out += [c.name for c in cases if c.tokens is None and c.name in PROBE_CASES]
+    kept = [replace(c, probe=False, e_scale=1.0) for c in kept] + given
+    notes = [f"the model's shape: V={V} d={d} N={N} (batch x sequence)"]
+    if left_out:
+        notes.append(f"left out at that shape: {', '.join(left_out)}")
+    return kept, notes
+
+
+def status_of(diag: Diagnosis) -> Status:
+    if diag.wrong:
+        return "wrong"
+    return "no_power" if diag.label == "no_power" else "correct"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One case observed: the batch, what came back, the reference and the diagnosis."""
+
+    case: Case  # the case as run, tokens and targets spelled out (what a replay needs)
+    batch: Batch
+    returned: Returned
+    paths: Paths
+    precision: Precision
+    diagnosis: Diagnosis
+    stage: Stage = FIRST_CALL
+    inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # what the target got
+
+    @property
+    def status(self) -> Status:
+        return status_of(self.diagnosis)
+
+    @property
+    def label(self) -> Label:
+        return self.diagnosis.label
+
+
+def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
+    """Step 1: the case's arrays in the target's declared precision, and the case with its
+    tokens and targets spelled out (what a failure prints and a replay needs)."""
+    case = declared(target, case)
+    batch = build(case)
+    return case.with_batch(batch.tokens, batch.targets), batch
+
+
+def first_call(target: Target, case: Case, **overrides: Any) -> Observation:
+    """Steps 1-5 of the module docstring: one call, judged; ``overrides`` replace inputs of
+    the call (a torch property asks for its own checks only)."""
+    prepared = None if overrides else target._prepared.pop(case, None)
+    if prepared is None:
+        case, batch = batch_for(target, case)
+        inputs, returned, paths, precision = _called(
+            target, batch, target.table.inputs(batch) | overrides if overrides else None)
+    else:
+        case, batch = prepared.case, prepared.batch
+        inputs, returned, paths, precision = _called(target, batch, prepared.inputs,
+                                                     prepared.paths)
+    return Observation(case, batch, returned, paths, precision,
+                       judge(returned, paths, precision), inputs=inputs)
+
+
+#: The last dE each target returned, per shape: a gradient buffer that is never zeroed shows
+#: as "this call's dE = the previous call's + the right one", even across cases.
+_LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Paths]] = {}
+
+
+def _remember(target: Target, obs: Observation) -> Observation:
+    key = (target.spec, target.kind, tuple(obs.returned.dE.shape))
+    previous = _LAST.get(key)
+    # a copy in its own dtype (an adapter may reuse its buffer); float64 only if ever compared.
+    # A worker's dE is already this process's own copy (see Worker.collect).
+    dE = obs.returned.dE
+    _LAST[key] = (dE if target.worker is not None else np.array(dE, copy=True), obs.paths)
+    if previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated" or \
+            obs.diagnosis.findings:  # a named check decided it, not the rows
+        return obs
+    stale = _stale(obs.diagnosis, previous, obs.returned, obs.paths, obs.precision)
+    return replace(obs, diagnosis=stale)
+
+
+def _stale(diag: Diagnosis, previous: tuple[np.ndarray, Paths], returned: Returned,
+           paths: Paths, precision: Precision) -> Diagnosis:
+    prev_raw, prev_paths = previous
+    prev = prev_raw.astype(np.float64)
+    t0, t1 = prev_paths.terms, paths.terms
+    if t0 is None or t1 is None or t0.rows.shape != t1.rows.shape:
+        return diag
+    both = Terms(rows=t0.rows + t1.rows, k=max(t0.k, t1.k))
+    actual = np.asarray(returned.dE, dtype=np.float64)
+    if row_tolerance(both, precision).close(actual - prev, paths.dE).all():
+        return replace(diag, label="gradient_not_zeroed", detail=(
+            "this call returned the previous call's dE plus its own: the gradient buffer is "
+            "accumulated into and never zeroed between calls"))
+    return diag
+
+
+def judge_repeat(first: Returned, second: Returned, paths: Paths,
+                 precision: Precision) -> Diagnosis:
+    """The second of two identical calls, judged: ``gradient_not_zeroed`` when it returned the
+    first call's dE plus its own (a buffer accumulated into across calls), as the kind's
+    second call is named in :func:`observe`."""
+    diag = judge(second, paths, precision)
+    if not diag.wrong or diag.findings:
+        return diag
+    return _stale(diag, (np.asarray(first.dE), paths), second, paths, precision)
+
+
+def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
+            ) -> Observation:
+    """Observe ``target`` on ``case``: the first call and the kind's second call (after one SGD
+    step, or a repeat); returns the observation that decides the verdict (the second call's
+    when it reveals a bug the first did not).  ``overrides`` replace inputs of the call."""
+    first = _remember(target, first_call(target, case, **overrides))
+    if not step or first.diagnosis.wrong or target.table.second_call == "none":
+        return first
+    lr = 0.0
+    batch = first.batch
+    if target.table.second_call == "sgd_step":
+        moved = sgd_step(first.batch, first.returned.dE)
+        if moved is None:
+            return first
+        stepped, lr = moved
+        keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
+        batch = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
+    inputs = first.inputs
+    if batch is first.batch:  # a repeat: the same inputs, and their reference if it still fits
+        returned = _invoke(target, inputs)
+        precision = precision_for(target, returned)
+        returned, paths = _judged(target, batch, inputs, precision, returned,
+                                  first.paths if precision == first.precision else None)
+    else:
+        inputs, returned, paths, precision = _called(target, batch)
+    second = _remember(target, Observation(first.case, batch, returned, paths, precision,
+                                           judge(returned, paths, precision), AFTER_STEP,
+                                           inputs))
+    if not second.diagnosis.wrong:
+        return first
+    if lr and second.label not in ("gradient_not_zeroed", "inputs_mutated"):
+        second = replace(second, diagnosis=_copied_tie(second.diagnosis, first, batch, lr,
+                                                       returned, precision))
+    return second
+
+
+def _copied_tie(diag: Diagnosis, first: Observation, short: Batch, lr: float,
+                returned: Returned, precision: Precision) -> Diagnosis:
+    """Right at E and wrong after the step: is it a tie that is two tensors?"""
+    actual = np.asarray(returned.dE, dtype=np.float64)
+    b0 = first.batch
+    # A copied tie: the head U started equal to E and took the step with its own (output
+    # path) gradient only; the lookup copy took the whole one.  So U = E1 + lr dE_in, with
+    # E1 = E - lr dE the E of this call: the input path is sparse, the output path is not
+    # (and at production sizes was never built whole).
+    touched = np.unique(b0.tokens)
+    U1 = short.E.astype(np.float64)
+    U1[touched] += lr * first.paths.in_rows(touched)
+    U1 = U1.astype(b0.E.dtype)
+    untied = closed_form_paths(short.E.astype(np.float64), b0.W.astype(np.float64),
+                               None if b0.b is None else b0.b.astype(np.float64), short.tokens,
+                               short.targets, short.res, short.s_in,
+                               E_out=U1.astype(np.float64))
+    if row_bound(untied, precision).close(actual, untied.dE).all():
+        return replace(diag, label="tie_is_a_copy", detail=(
+            f"the first call was right; after E <- E - {lr:.3g} dE the gradient equals that of "
+            "an untied model whose head took only the output path's step: the two uses are two "
+            "tensors that started equal"))
+    return diag
+
+
+def agree(name: str, actual: Any, expected: Any, paths: Paths, precision: Precision,
+          factor: float = 1.0) -> np.ndarray:
+    """Entrywise agreement of two results of the same quantity (``dE``, ``loss``, ``dW`` or
+    ``db``), under that quantity's rounding bound on ``paths`` times ``factor`` (a sum of
+    ``factor`` such results): how a metamorphic property compares two calls."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    tol = row_bound(paths, precision) if name == "dE" else value_bound(name, paths, precision)
+    atol = np.asarray(tol.atol) * factor
+    return np.asarray(np.abs(a - e) <= atol + tol.rtol * np.abs(e))

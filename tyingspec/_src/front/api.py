@@ -1,0 +1,62 @@
+"""One call in your own test: ``tyingspec.check(...)`` returns the report, ``assert_correct``
+raises with the diagnosis.
+
+They run exactly what ``tyingspec check`` runs (the kind's own cases, a ``module:attr`` target
+in its worker process, looked up from the current directory first), without the command line:
+
+    report = tyingspec.check("mypkg.grads:fn", kind="linear-ce")
+    assert report.ok, report.diagnosis
+    tyingspec.assert_correct("mypkg.model:make_model", kind="torch")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from tyingspec._src.core.cases import Case
+from tyingspec._src.core.options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT
+from tyingspec._src.engine.observe import PrecisionChoice
+from tyingspec._src.front.check import CheckReport, check_target
+
+__all__ = ["assert_correct", "check"]
+
+
+def check(target: str, kind: str | None = None, *, seed: int = 0,
+          precision: PrecisionChoice = "auto", cases: Sequence[Case] | None = None,
+          case: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+          shrink_budget: float = DEFAULT_SHRINK_BUDGET,
+          paths: Sequence[str] | None = None) -> CheckReport:
+    """Check ``target`` (a built-in name or ``module:attr``) as ``tyingspec check`` does and
+    return the :class:`~tyingspec.CheckReport`: ``.ok``, ``.diagnosis``, ``.cases``,
+    ``.raise_for_failure()``.
+
+    ``kind`` defaults to a built-in's own kind, else ``"model"``; ``cases`` to the kind's own
+    seeded cases (``case`` picks one of them by name); ``paths`` (default: the current
+    directory) go first on the worker's ``sys.path``.  Bad input raises ``ValueError`` (a
+    ``UsageError`` where the command line exits 2) naming what is wrong; an adapter that
+    cannot be loaded or called is in the report (``verdict == "adapter_error"``), never an
+    exception from here."""
+    from tyingspec._src.front.cli import _builtin_kind
+    from tyingspec._src.kinds.table import kind_spec
+
+    kind = kind or _builtin_kind(target)
+    table = kind_spec(kind)  # ValueError naming the known kinds
+    chosen = list(cases) if cases is not None else table.cases(seed)
+    if case is not None:
+        named = [c for c in chosen if c.name == case]
+        if not named:
+            raise ValueError(f"tyingspec.check: no case {case!r} for --kind {kind}; known: "
+                             + ", ".join(c.name for c in chosen))
+        chosen = named
+    return check_target(target, kind, seed, chosen, precision=precision,
+                        shrink_budget=shrink_budget, timeout=timeout,
+                        paths=tuple(paths) if paths is not None else (os.getcwd(),))
+
+
+def assert_correct(target: str, kind: str | None = None, **options: object) -> CheckReport:
+    """:func:`check`, then raise :class:`~tyingspec.CheckFailed` (an ``AssertionError``)
+    whose message is the rendered diagnosis unless every case was correct."""
+    report = check(target, kind, **options)  # type: ignore[arg-type]
+    report.raise_for_failure()
+    return report

@@ -1,0 +1,270 @@
+"""``tyingspec check``: run a target over seeded cases through the engine, shrink a failure,
+build replay lines."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tyingspec._src.core.adapters import AdapterError
+from tyingspec._src.core.cases import Case, batch_problem
+from tyingspec._src.core.diagnosis import Diagnosis, run_label
+from tyingspec._src.core.extras import with_hint
+from tyingspec._src.core.options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT, UsageError
+from tyingspec._src.engine.observe import (
+    FIRST_CALL,
+    Observation,
+    PrecisionChoice,
+    Stage,
+    Status,
+    Target,
+    load,
+    observe,
+    shaped,
+)
+
+#: The target a linear-ce kernel ignores (Liger's and torch's default ignore_index).
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CaseResult:
+    """Outcome of one case: a diagnosis, or the adapter error that prevented one."""
+
+    case: Case
+    status: Status
+    diagnosis: Diagnosis | None = None
+    error: str | None = None
+    mutated: tuple[str, ...] = ()
+    shrunk: Case | None = None
+    replay: str = ""
+    stage: Stage = FIRST_CALL  # which call the diagnosis is of (models are called twice)
+    precision: str | None = None  # what it was judged at
+    shrink_note: str = ""  # why shrinking stopped early, if it did
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.case
+        d: dict[str, Any] = {
+            "name": c.name, "seed": c.seed, "V": c.V, "d": c.d, "N": c.N, "res": c.res,
+            "s_in": c.s_in, "bias": c.bias, "dtype": c.dtype, "status": self.status,
+            "error": self.error, "mutated_inputs": list(self.mutated), "replay": self.replay,
+            "stage": self.stage, "precision": self.precision,
+            "margin": None if self.diagnosis is None else self.diagnosis.margin,
+        }
+        if self.diagnosis is not None:
+            dd = self.diagnosis.as_dict()
+            d.update({k: dd[k] for k in ("label", "detail", "rows_total", "rows_wrong",
+                                         "rows_exact", "wrong_rows", "max_abs_error",
+                                         "max_rel_error", "power")})
+            d["diagnosis"] = dd
+        if self.shrunk is not None:
+            d["smallest_batch"] = {"tokens": list(self.shrunk.tokens or ()),
+                                   "targets": list(self.shrunk.targets or ())}
+        return d
+
+
+def shrink(target: Target, case: Case, label: str, budget: float = DEFAULT_SHRINK_BUDGET,
+           ) -> tuple[Case, str]:
+    """Delete positions while the same diagnosis label persists (keeps E, W, b), for at most
+    ``budget`` seconds; returns the smallest case found and a note when time ran out."""
+    deadline = time.monotonic() + budget
+    tokens = np.asarray(case.tokens, dtype=np.int64)
+    targets = np.asarray(case.targets, dtype=np.int64)
+    changed = True
+    while changed and tokens.shape[0] > 1:
+        changed = False
+        for i in range(tokens.shape[0]):
+            if time.monotonic() > deadline:
+                return (case.with_batch(tokens, targets),
+                        f"shrinking stopped after {budget:g} s (--shrink-budget) at "
+                        f"N={tokens.shape[0]}")
+            t2, y2 = np.delete(tokens, i), np.delete(targets, i)
+            try:
+                obs = observe(target, case.with_batch(t2, y2))
+            except AdapterError:
+                continue
+            if obs.label == label:
+                tokens, targets, changed = t2, y2, True
+                break
+    return case.with_batch(tokens, targets), ""
+
+
+def replay_command(target: Target, base_seed: int, case: Case) -> str:
+    parts = ["tyingspec", "check", target.spec, "--kind", target.kind, "--seed",
+             str(base_seed), "--case", case.name]
+    if target.precision != "auto":
+        parts += ["--precision", target.precision]
+    if case.padding_idx is not None and case.probe:
+        parts += ["--padding-idx", str(case.padding_idx)]
+    if case.tokens is not None and case.targets is not None:
+        targets = ",".join(map(str, case.targets))
+        # an ignored target (-100) would read as an option: then --targets=... is spelled out
+        parts += ["--tokens", ",".join(map(str, case.tokens))] + (
+            [f"--targets={targets}"] if targets.startswith("-") else ["--targets", targets])
+    return shlex.join(parts)
+
+
+def result_of(target: Target, obs: Observation, base_seed: int) -> CaseResult:
+    """A case result from an observation (no shrinking)."""
+    return CaseResult(obs.case, obs.status, diagnosis=obs.diagnosis,
+                      mutated=obs.returned.mutated, stage=obs.stage,
+                      replay=replay_command(target, base_seed, obs.case),
+                      precision=obs.precision)
+
+
+def run_case(target: Target, case: Case, base_seed: int, *, do_shrink: bool = True,
+             shrink_budget: float = DEFAULT_SHRINK_BUDGET) -> CaseResult:
+    """Observe one case through the engine; shrink a wrong one to its smallest batch."""
+    try:
+        obs = observe(target, case)
+    except AdapterError as exc:
+        return CaseResult(case, "adapter_error", error=with_hint(str(exc)),
+                          replay=replay_command(target, base_seed, case))
+    result = result_of(target, obs, base_seed)
+    if obs.status == "wrong" and do_shrink and obs.case.N > 1:
+        result.shrunk, result.shrink_note = shrink(target, obs.case, obs.label, shrink_budget)
+        result.replay = replay_command(target, base_seed, result.shrunk)
+    return result
+
+
+def explicit_batch_problem(target: Target, case: Case) -> str | None:
+    """Why a case's explicit batch (``--tokens/--targets``) cannot reach ``target``: ids
+    outside the vocabulary, known only once a torch model is loaded, or an ignored target
+    (-100) for a linear-ce kernel that declares no ``ignore_index``.  Without this a torch
+    model raises an IndexError inside its embedding, a traceback instead of a usage error."""
+    if case.tokens is None and case.targets is None:
+        return None
+    ignore = IGNORE_INDEX if target.kind == "linear-ce" else None
+    problem = batch_problem(case.tokens, case.targets, case.V, ignore_index=ignore)
+    if problem is not None or ignore is None or IGNORE_INDEX not in (case.targets or ()):
+        return problem
+    from tyingspec._src.engine.observe import described
+
+    if "ignore_index" not in described(target).get("options", ()):
+        return (f"a target of {IGNORE_INDEX} is an ignored token, and the kernel declares no "
+                "ignore_index option")
+    return None
+
+
+@dataclass
+class CheckReport:
+    """All case results for one target, and the overall verdict and exit status."""
+
+    target: str
+    kind: str
+    seed: int
+    results: list[CaseResult] = field(default_factory=list)
+    load_error: str | None = None
+    precision: str = "auto"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        if self.load_error or any(r.status == "adapter_error" for r in self.results):
+            return "adapter_error"
+        if any(r.status == "wrong" for r in self.results):
+            return "wrong"
+        if self.results and all(r.status == "no_power" for r in self.results):
+            return "no_power"
+        return "correct"
+
+    @property
+    def exit_code(self) -> int:
+        return {"correct": 0, "no_power": 1, "wrong": 1, "adapter_error": 2}[self.verdict]
+
+    @property
+    def ok(self) -> bool:
+        """Every case reached a verdict and each was correct (what exit status 0 means)."""
+        return self.exit_code == 0
+
+    @property
+    def cases(self) -> list[CaseResult]:
+        """The case results, in the order they ran."""
+        return self.results
+
+    @property
+    def diagnosis(self) -> str:
+        """The report as a person reads it: the verdict and its label first, then each case
+        (what ``tyingspec check`` prints)."""
+        from tyingspec._src.front.report import render
+
+        label = self.diagnosis_label
+        head = f"{self.target} (--kind {self.kind}): {self.verdict}" + (
+            f" ({label})" if label != self.verdict else "")
+        return head + "\n" + render(self)
+
+    def raise_for_failure(self) -> None:
+        """Raise :class:`CheckFailed` (an ``AssertionError``, so pytest shows it as a test
+        failure) whose message is :attr:`diagnosis`, unless the report is :attr:`ok`."""
+        if not self.ok:
+            raise CheckFailed(self)
+
+    @property
+    def diagnosis_label(self) -> str:
+        labels = [r.diagnosis.label for r in self.results
+                  if r.diagnosis is not None and r.status == "wrong"]
+        if not labels:
+            return self.verdict
+        return run_label(labels)
+
+
+class CheckFailed(AssertionError):
+    """A check that did not pass: the message is the rendered diagnosis; ``report`` holds
+    every case."""
+
+    def __init__(self, report: CheckReport) -> None:
+        super().__init__(report.diagnosis)
+        self.report = report
+
+
+def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = None, *,
+                 precision: PrecisionChoice = "auto", shrink_budget: float = DEFAULT_SHRINK_BUDGET,
+                 on_result: Any = None, timeout: float = DEFAULT_TIMEOUT,
+                 paths: tuple[str, ...] = ()) -> CheckReport:
+    """Resolve ``spec`` and run it on every case; adapter errors are recorded, the run goes on.
+    A ``module:attr`` target runs in a worker process (``paths`` first on its ``sys.path``,
+    ``timeout`` seconds per call).  ``on_result(result)`` is called as each case finishes.
+    ``cases`` default to the kind's own (a linear-ce kernel's, a torch model's)."""
+    report = CheckReport(spec, kind, seed, precision=precision)
+    if cases is None:
+        from tyingspec._src.kinds.table import kind_spec
+
+        cases = kind_spec(kind).cases(seed)
+    if not cases:
+        raise UsageError("no case to run, so there is no verdict")
+    try:
+        target = load(spec, kind, precision, timeout=timeout, paths=paths, prepare=cases[:1])
+    except AdapterError as exc:
+        report.load_error = with_hint(str(exc))
+        return report
+    try:
+        try:
+            cases, report.notes = shaped(target, cases)
+        except AdapterError as exc:
+            report.load_error = with_hint(str(exc))
+            return report
+        if not cases:
+            # every case left out by the target itself (a torch model's shape, a linear-ce
+            # kernel's options): zero cases is no verdict, and "correct" would pass a CI gate
+            # that checked nothing
+            raise UsageError("no case left to run, so there is no verdict: "
+                             + "; ".join(report.notes))
+        for case in cases:
+            problem = explicit_batch_problem(target, case)
+            if problem is not None:
+                raise UsageError(f"case {case.name}: {problem}")
+        # a model's batch shape is its own: a smaller batch is not one it takes
+        do_shrink = not target.table.own_shape
+        for case in cases:
+            result = run_case(target, case, seed, shrink_budget=shrink_budget,
+                              do_shrink=do_shrink)
+            report.results.append(result)
+            if on_result is not None:
+                on_result(result)
+    finally:
+        target.close()
+    return report

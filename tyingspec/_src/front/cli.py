@@ -1,0 +1,406 @@
+"""The ``tyingspec`` command line: ``check``, ``mutants`` and ``reproduce``."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from tyingspec._src.core.options import (
+    DEFAULT_SHRINK_BUDGET,
+    DEFAULT_TIMEOUT,
+    UsageError,
+    int_list,
+    positive_seconds,
+    seed,
+    shape,
+    shrink_budget,
+)
+from tyingspec._src.kinds.table import KIND_NAMES
+
+EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "check", help="verify a target's tied gradient row by row",
+        description="Without TARGET: run the built-in implementations and print the write-up's "
+                    "table. With TARGET (a built-in name or module:attr): run a seeded set of "
+                    "batches and diagnose each. Exit 0 all correct, 1 a gradient is wrong, "
+                    "2 usage or adapter error.")
+    p.add_argument("target", nargs="?", help="built-in name or module:attr")
+    p.add_argument("--kind", choices=KIND_NAMES, default=None,
+                   help="adapter contract (default: a built-in's own kind, else model)")
+    p.add_argument("--precision", choices=("auto", "float64", "float32", "bfloat16", "float16"),
+                   default="auto",
+                   help="precision to build the cases in and judge at; auto (default): build "
+                        "as each case says and judge at the least precise float returned")
+    p.add_argument("--shape", type=shape, metavar="V,d,N",
+                   help="run every case at this vocabulary, width and batch length, keeping "
+                        "its composition (the cases defined by their shape are left out)")
+    p.add_argument("--padding-idx", type=int, default=None, metavar="P",
+                   help="a model kind adapter with nn.Embedding(padding_idx=P) semantics: it is "
+                        "passed padding_idx=P, and the input path is expected to skip row P "
+                        "(the output path still reaches it)")
+    p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="seconds one call of the target may take before it is ended as an "
+                        "adapter error (default %(default)g); the remaining cases still run")
+    p.add_argument("--shrink-budget", type=shrink_budget, default=DEFAULT_SHRINK_BUDGET,
+                   metavar="SECONDS",
+                   help="seconds a failing case may spend shrinking its batch "
+                        "(default %(default)g; "
+                        "0 turns shrinking off)")
+    p.add_argument("--seed", type=seed, default=0, help="base seed (default 0)")
+    p.add_argument("--json", metavar="PATH", help="write a tyingspec.check/1 JSON report")
+    p.add_argument("--case", metavar="NAME", help="run only this case (replay)")
+    p.add_argument("--tokens", type=int_list, help="replay: explicit tokens, e.g. 3,3")
+    p.add_argument("--targets", type=int_list, help="replay: explicit targets, same length")
+    p.add_argument("--list", action="store_true", help="list built-in targets and cases")
+    p.add_argument("--baseline", metavar="FILE",
+                   help="CI gate: fail on any case that passed in FILE and fails now "
+                        "(FILE is created when missing)")
+    p.add_argument("--update-baseline", action="store_true",
+                   help="rewrite --baseline FILE with this run's verdicts")
+
+
+def _add_reproduce(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("reproduce", help="re-derive the weight-tying write-up's experiments")
+    from tyingspec._src.reproduce import configure_parser
+
+    configure_parser(p)
+
+
+def _add_mutants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("mutants", help="kill matrix: every property against every seeded bug",
+                       description="Run the property suite against the mutant zoo and the "
+                                   "correct styles; exit 0 when every mutant is killed and "
+                                   "every correct style passes.")
+    from tyingspec._src.front.kill_matrix import configure_parser
+
+    configure_parser(p)
+
+
+def _add_ckpt(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("ckpt", help="inspect a checkpoint's tie; convert tied <-> untied",
+                       description="inspect FILE: how the embedding and head are stored; "
+                                   "convert IN OUT --to tied|untied --policy ...: rewrite it.")
+    from tyingspec._src.ckpt.checkpoint import configure_parser
+
+    configure_parser(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tyingspec", description="Verify tied-embedding gradients: which path, which rows.")
+    sub = parser.add_subparsers(dest="command")
+    _add_check(sub)
+    _add_reproduce(sub)
+    _add_mutants(sub)
+    _add_ckpt(sub)
+    return parser
+
+
+def _list() -> int:
+    from tyingspec._src.core.cases import standard_cases
+    from tyingspec._src.kinds.probe.builtins import builtins
+    from tyingspec._src.kinds.table import KINDS
+
+    print("built-in targets (name [kinds] what it breaks -> the label a check reaches):")
+    known = list(builtins().values())
+    for spec in KINDS.values():  # the kinds with their own zoo (torch, linear-ce)
+        if spec.builtins is not None:
+            known += list(spec.builtins().values())
+    for impl in known:
+        kinds = "/".join(k for k in KINDS if impl.adapter(k) is not None)
+        breaks = f"breaks {impl.breaks} -> {impl.expected}" if impl.breaks else "correct"
+        print(f"  {impl.name:<24} [{kinds}] {breaks}: {impl.description.splitlines()[0]}")
+    for spec in KINDS.values():
+        if spec.cases is standard_cases and spec.name != "model":
+            continue  # the same cases as the model kind's
+        label = "" if spec.name == "model" else f" --kind {spec.name}"
+        print(f"cases run by `tyingspec check TARGET{label}`:")
+        for c in spec.cases(0):
+            print(f"  {c.name:<20} {c.describe()}")
+    return EXIT_OK
+
+
+def _builtin_kind(target: str) -> str:
+    """The kind ``tyingspec check TARGET`` runs without --kind: a built-in's own (the first
+    that has it: model before kernel; a torch or linear-ce zoo name its zoo's), else model."""
+    if ":" in target:
+        return "model"
+    from tyingspec._src.kinds.probe.builtins import builtins
+    from tyingspec._src.kinds.table import KINDS
+
+    impl = builtins().get(target)
+    for name, spec in KINDS.items():
+        if impl is None and spec.builtins is not None:
+            found = spec.builtins().get(target)
+            if found is not None and found.adapter(name) is not None:
+                return name
+        elif impl is not None and impl.adapter(name) is not None:
+            return name
+    return "model"
+
+
+def _require_extras(target: str, kind: str, precision: str) -> None:
+    """Before anything runs: the extras this check needs are installed (else a usage error
+    naming the ``pip install``).  What is imported deeper down is caught in :func:`main`."""
+    from tyingspec._src.core.extras import require
+
+    if kind == "torch":
+        require("torch", "--kind torch")
+    if precision == "bfloat16":
+        require("ml_dtypes", "--precision bfloat16")
+    if kind == "linear-ce" and ":" not in target:
+        from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
+
+        builtin = LINEAR_CE_BUILTINS.get(target)
+        if builtin is not None and builtin.form == "torch":
+            require("torch", f"the built-in {target} (a torch module)")
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from tyingspec._src.core.files import OutputError, check_distinct, usable_output
+    from tyingspec._src.front.check import check_target
+    from tyingspec._src.front.report import as_json
+
+    # Every flag that would do nothing here is a usage error, not a silent exit 0.
+    if args.list:
+        given = [f for f, v in (("TARGET", args.target), ("--baseline", args.baseline),
+                                ("--json", args.json), ("--case", args.case)) if v is not None]
+        if given:
+            parser.error(f"--list prints the built-ins and cases and runs nothing; it takes no "
+                         f"{', '.join(given)}")
+        return _list()
+    if args.update_baseline and args.baseline is None:
+        parser.error("--update-baseline needs --baseline FILE")
+    if args.baseline is not None and args.target is None:
+        parser.error("--baseline gates a TARGET's cases; name the target to check")
+    try:
+        # resolved once, now: an adapter that changes directory cannot move them
+        if args.json is not None:
+            args.json = usable_output("--json", args.json)
+        if args.baseline is not None:
+            args.baseline = usable_output("--baseline", args.baseline)
+        check_distinct({"--baseline": args.baseline, "--json": args.json})
+    except OutputError as exc:
+        parser.error(str(exc))
+    if args.target is None:
+        if args.case or args.tokens or args.targets:
+            parser.error("--case/--tokens/--targets need a TARGET")
+        from tyingspec._src.front.demo import render_demo, run_demo
+
+        demo = run_demo(args.seed)
+        print(render_demo(demo))
+        code = EXIT_OK if demo.as_expected else EXIT_WRONG
+        if args.json:
+            return _write_report(args.json, {
+                "schema": "tyingspec.demo/1", "seed": args.seed, "exit_code": code,
+                "as_expected": demo.as_expected,
+                "results": {n: r.as_dict() for n, r in demo.results.items()}}, code)
+        return code
+
+    from tyingspec._src.kinds.table import kind_spec
+
+    if args.kind is None:
+        args.kind = _builtin_kind(args.target)
+    spec = kind_spec(args.kind)
+    _require_extras(args.target, args.kind, args.precision)
+    cases = spec.cases(args.seed)
+    # --case first: a case named here and then left out by --shape or --padding-idx is told
+    # why below, not reported as unknown
+    if args.case:
+        chosen = [c for c in cases if c.name == args.case]
+        if not chosen:
+            parser.error(f"--case: no case {args.case!r}; known: "
+                         + ", ".join(c.name for c in cases))
+        cases = chosen
+    if (args.tokens is None) != (args.targets is None):
+        parser.error("--tokens and --targets go together")
+    if args.tokens is not None and not args.case:
+        parser.error("--tokens/--targets need --case")
+    notes: list[str] = []
+    if args.shape is not None:
+        from tyingspec._src.core.cases import at_shape, memory_problem
+        from tyingspec._src.core.options import available_memory
+
+        V, d, N = args.shape
+        # a model with a shape of its own (a torch model) keeps its V and d, checked against
+        # the model once it is loaded, and takes N as its batch x sequence
+        problem = None if spec.own_shape else memory_problem(
+            V, d, max(N, len(args.tokens or ())), available_memory())
+        if problem is not None:
+            parser.error(f"--shape {V},{d},{N}: {problem}; choose a smaller shape")
+        cases, left_out = at_shape(cases, V, d, N)
+        if left_out:
+            notes.append(f"--shape {V},{d},{N}: left out {', '.join(left_out)} "
+                         "(defined by their shape)")
+    if args.padding_idx is not None:
+        if args.kind != "model":
+            parser.error(f"--padding-idx applies to --kind model (a {args.kind} target "
+                         + ("declares its own padding_idx)" if args.kind == "torch" else
+                            "gets the rows it scatters as they are)"))
+        if args.padding_idx < 0:
+            parser.error(f"--padding-idx must be a row index >= 0, got {args.padding_idx}")
+        small = [c.name for c in cases if c.V <= args.padding_idx]
+        if small:
+            notes.append(f"--padding-idx {args.padding_idx}: left out {', '.join(small)} "
+                         "(no such row: their V is at most "
+                         f"{max(c.V for c in cases if c.V <= args.padding_idx)})")
+        cases = [replace(c, padding_idx=args.padding_idx) for c in cases
+                 if c.V > args.padding_idx]
+    if not cases:
+        # Zero cases is no verdict: "correct" here would pass a CI gate that checked nothing.
+        parser.error("no case left to run, so there is no verdict: " + "; ".join(notes))
+    if args.tokens is not None:
+        from tyingspec._src.core.cases import batch_problem
+        from tyingspec._src.front.check import IGNORE_INDEX
+
+        # a kind with its own shape (a torch model's vocabulary) has its token ids checked
+        # once the model is loaded (front.check.check_target)
+        if not spec.own_shape:
+            # a linear-ce target may be ignore_index (-100): an ignored token
+            problem = batch_problem(args.tokens, args.targets, cases[0].V,
+                                    ignore_index=IGNORE_INDEX if args.kind == "linear-ce" else None)
+            if problem is not None:
+                parser.error(f"--tokens/--targets: {problem} (case {cases[0].name})")
+        cases = [cases[0].with_batch(np.asarray(args.tokens), np.asarray(args.targets))]
+    from tyingspec._src.front.report import render_case, render_head, render_verdict
+
+    # Each case is printed as soon as it is known: a job killed for time still shows what
+    # finished.  Checks that do not depend on the batch are listed with the first case only.
+    seen: list[object] = []
+
+    def report_first(r: object) -> object:
+        if not seen:
+            seen.append(r)
+        return seen[0]
+
+    print(render_head(args.target, args.kind, args.seed, args.precision, notes), flush=True)
+    # Like `python -m` and uvicorn: a `module:attr` target is looked up from the current
+    # directory, in the worker process that imports it (tyingspec's own imports never are).
+    report = check_target(args.target, args.kind, args.seed, cases, precision=args.precision,
+                          shrink_budget=args.shrink_budget, timeout=args.timeout,
+                          paths=(os.getcwd(),),
+                          on_result=lambda r: print("\n".join(render_case(
+                              r, structural=r is report_first(r))), flush=True))
+    if report.notes:  # what the target itself decided (a torch model's shape)
+        print("\n".join(report.notes), flush=True)
+    report.notes = notes + report.notes
+    if report.load_error:
+        print(f"error: {report.load_error}")
+    print(render_verdict(report), flush=True)
+    code = report.exit_code
+    baseline: dict[str, object] | None = None
+    if args.baseline:
+        from tyingspec._src.front.baseline import apply_check_baseline
+
+        code, lines = apply_check_baseline(report, args.baseline, args.update_baseline)
+        print("\n".join(lines))
+        baseline = {"path": args.baseline, "exit_code": code, "lines": lines}
+    if args.json:
+        payload = as_json(report)
+        payload["exit_code"] = code  # the status this command really exits with
+        payload["baseline"] = baseline
+        return _write_report(args.json, payload, code)
+    return code
+
+
+def _write_report(path: str, payload: dict[str, object], code: int) -> int:
+    """Write the JSON report; a failure says so and exits 2 (the printed results stand)."""
+    from tyingspec._src.front.report import write_json
+
+    try:
+        write_json(path, payload)
+    except OSError as exc:
+        print(f"tyingspec: the JSON report {path} was not written ({type(exc).__name__}: "
+              f"{exc}); the results above stand", file=sys.stderr)
+        return max(code, EXIT_USAGE)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tyingspec`` console script."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():  # a crash in tyingspec itself still prints where it was
+        try:
+            faulthandler.enable()
+        except (AttributeError, ValueError, io.UnsupportedOperation):
+            pass  # main() called with a stderr that is no file (a notebook, a captured test)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return _run(args, parser)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop writing.  The run did not finish, so the exit
+        # status must not say it passed.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_USAGE
+    except UsageError as exc:  # found below the parser: a check with no case, a missing extra
+        _error(f"error: {exc}")
+        return EXIT_USAGE
+    except ModuleNotFoundError as exc:
+        from tyingspec._src.core.extras import missing_extra
+
+        usage = missing_extra(exc)
+        if usage is None:
+            return _internal_error(exc)
+        _error(f"error: {usage}")
+        return EXIT_USAGE
+    except MemoryError as exc:
+        _error(f"error: out of memory ({type(exc).__name__}: {exc}); give a smaller --shape "
+               "or run on a machine with more memory")
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001  (exit 1 is a wrong gradient, never a crash)
+        return _internal_error(exc)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.command == "check":
+        return _check(args, parser)
+    if args.command == "mutants":
+        from tyingspec._src.front.kill_matrix import run as run_mutants
+
+        return run_mutants(args)
+    if args.command == "ckpt":
+        from tyingspec._src.ckpt.checkpoint import run as run_ckpt
+
+        return run_ckpt(args)
+    if args.command == "reproduce":
+        from tyingspec._src.reproduce import run
+
+        return run(args)
+    parser.print_help()
+    return EXIT_USAGE
+
+
+def _error(text: str) -> None:
+    try:
+        sys.stdout.flush()  # the results printed so far come first
+    except (OSError, ValueError):
+        pass  # a closed or broken stdout: the message still goes to stderr
+    print(f"tyingspec: {text}", file=sys.stderr, flush=True)
+
+
+def _internal_error(exc: BaseException) -> int:
+    """A bug in tyingspec (not in the target: those are adapter errors): exit 2 with the
+    message first and the traceback after it.  Never exit 1, which only a wrong gradient
+    gives."""
+    import traceback
+
+    _error(f"internal error, please report it with the traceback below: "
+           f"{type(exc).__name__}: {exc}")
+    traceback.print_exception(exc, file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Human and JSON reports for ``tyingspec check``: diagnosis first, raw numbers last.
+
+JSON schema ``tyingspec.check/1`` (documented in the README)::
+
+    {"schema": "tyingspec.check/1", "target", "kind", "seed", "verdict", "diagnosis",
+     "exit_code", "load_error", "cases": [{"name", "seed", "V", "d", "N", "res", "s_in", "bias",
+       "dtype", "status", "stage", "label", "detail", "rows_total", "rows_wrong", "rows_exact",
+       "wrong_rows", "max_abs_error", "max_rel_error", "power", "error", "mutated_inputs",
+       "smallest_batch", "replay", "diagnosis"}]}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tyingspec._src.core.files import atomic_write
+from tyingspec._src.core.render import (
+    diagnosis_lines,
+    exact_cell,
+    finding_lines,
+    power_text,
+    projected_text,
+    rows_text,
+)
+
+if TYPE_CHECKING:  # annotations only: the check module renders through this one
+    from tyingspec._src.front.check import CaseResult, CheckReport
+
+__all__ = ["SCHEMA", "as_json", "exact_cell", "render", "render_case", "rows_text",
+           "write_json"]
+
+SCHEMA = "tyingspec.check/1"
+
+
+def render_case(r: CaseResult, *, structural: bool = True) -> list[str]:
+    """A case's lines; ``structural=False`` leaves out batch-independent checks (a torch
+    model's identity and optimizer checks, run once) that an earlier case already listed."""
+    head = {"correct": "ok", "no_power": "NO POWER", "wrong": "WRONG",
+            "adapter_error": "ADAPTER ERROR"}[r.status]
+    lines = [f"case {r.case.name} ({r.case.describe()}): {head}"]
+    if r.error:
+        lines.append(f"  error: {r.error}")
+    d = r.diagnosis
+    if d is not None and r.status != "correct":
+        lines += diagnosis_lines(d, stage=r.stage, mutated=r.mutated)
+    elif d is not None:
+        lines.append(f"  {power_text(d)}; judged at {d.precision}, worst row {d.margin:.3g}x "
+                     f"its rounding bound{projected_text(d)}")
+        lines += finding_lines(d, structural=structural)
+    if r.shrunk is not None:
+        lines.append(f"  smallest failing batch: tokens={list(r.shrunk.tokens or ())} "
+                     f"targets={list(r.shrunk.targets or ())}"
+                     + (f" ({r.shrink_note})" if r.shrink_note else ""))
+    if r.status != "correct":
+        lines.append(f"  replay: {r.replay}")
+    return lines
+
+
+def render_head(target: str, kind: str, seed: int, precision: str, notes: list[str]) -> str:
+    """The first lines of a report: what runs, and any note about the cases."""
+    return "\n".join([f"tyingspec check {target} --kind {kind} --seed {seed}"
+                      + ("" if precision == "auto" else f" --precision {precision}"), *notes])
+
+
+def render_verdict(report: CheckReport) -> str:
+    """The last line of a report: the verdict and the tally of cases."""
+    counts = {s: sum(r.status == s for r in report.results)
+              for s in ("correct", "wrong", "no_power", "adapter_error")}
+    label = report.diagnosis_label
+    tally = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items() if v)
+    return (f"verdict: {report.verdict}" + (f" ({label})" if label != report.verdict else "")
+            + (f"; cases: {tally}" if tally else ""))
+
+
+def render(report: CheckReport) -> str:
+    lines = [render_head(report.target, report.kind, report.seed, report.precision,
+                         report.notes)]
+    if report.load_error:
+        lines.append(f"error: {report.load_error}")
+    for r in report.results:
+        lines += render_case(r)
+    lines.append(render_verdict(report))
+    return "\n".join(lines)
+
+
+def _finite(x: Any) -> Any:
+    """JSON has no inf/NaN: encode them as strings rather than emit invalid JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def as_json(report: CheckReport) -> dict[str, Any]:
+    payload: dict[str, Any] = _finite({
+        "schema": SCHEMA,
+        "target": report.target,
+        "kind": report.kind,
+        "seed": report.seed,
+        "verdict": report.verdict,
+        "diagnosis": report.diagnosis_label,
+        "exit_code": report.exit_code,
+        "precision": report.precision,
+        "load_error": report.load_error,
+        "cases": [r.as_dict() for r in report.results],
+    })
+    return payload
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write the report atomically: a failed write leaves any previous report whole."""
+    atomic_write(str(path), json.dumps(payload, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,439 @@
+"""The linear-ce kind, main-process side: its cases, its inputs and its judgement.
+
+A fused linear-cross-entropy kernel is the head of the probe model: the hidden states it gets
+are the probe model's ``h`` for the batch, and its ``dh`` flows back through the probe body into
+the input path.  So the tie is judged as for a model (``dE`` = the kernel's ``dE`` plus the
+scatter-add of the input path its ``dh`` implies, against the reference's two paths), and the
+kernel's own outputs are judged one by one first: which known bug (a :data:`VARIANTS` entry of
+:mod:`kinds.linear_ce.reference`) they match, or which output is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from tyingspec._src.core.adapters import Returned
+from tyingspec._src.core.cases import CHUNK as CHUNK
+from tyingspec._src.core.cases import IGNORE_INDEX as IGNORE_INDEX
+from tyingspec._src.core.cases import OPTION_NAMES as OPTION_NAMES
+from tyingspec._src.core.cases import REDUCTION_VALUES as REDUCTION_VALUES
+from tyingspec._src.core.cases import Batch, Case, case_seed, ce_options, working_dtype
+from tyingspec._src.core.cases import drawn_ignore_index as drawn_ignore_index
+from tyingspec._src.core.cases import with_ce as with_ce
+from tyingspec._src.core.diagnosis import Label
+from tyingspec._src.core.findings import Finding, failed, passed
+from tyingspec._src.core.paths import Array, IntArray, Paths, scatter_rows
+from tyingspec._src.core.tolerance import Terms, row_tolerance, value_tolerance
+from tyingspec._src.kinds.linear_ce.reference import VARIANTS, CEOptions, CEResult, linear_ce
+
+#: What a kernel declares to be run on a case in a low precision (a torch class does: see
+#: ``kinds.linear_ce.adapter.supported``).
+LOW_PRECISIONS = ("dtype=bfloat16", "dtype=float16")
+
+
+def needed_options(case: Case) -> set[str]:
+    """What a kernel must declare to run a case: each option the case sets (a reduction by
+    its value, ``reduction=sum``; ``none`` also needs ``grad_output``), ``ignore_index`` for
+    ignored tokens, ``bias`` for a case with a bias and ``dtype=bfloat16`` (``float16``) for
+    a case in that precision."""
+    opts = ce_options(case.ce)
+    need = {k for k in opts if k in OPTION_NAMES and k != "reduction"}
+    if "reduction" in opts:
+        need.add(f"reduction={opts['reduction']}")
+        if opts["reduction"] == "none":
+            need.add("grad_output")
+    if "ignored" in opts:
+        need.add("ignore_index")
+    if case.bias:
+        need.add("bias")
+    if f"dtype={case.dtype}" in LOW_PRECISIONS:
+        need.add(f"dtype={case.dtype}")
+    return need
+
+
+def restricted(case: Case, supported: Iterable[str]) -> Case:
+    """``case`` without the settings that need something the kernel does not declare: what a
+    property draws for such a kernel (its cases range over what it supports only; no bias
+    for a kernel without one, float32 for one not run in a low precision)."""
+    have = set(supported)
+
+    def keep(key: str, value: str) -> bool:
+        if key == "reduction":
+            return f"reduction={value}" in have and (value != "none" or "grad_output" in have)
+        if key == "ignored":
+            return "ignore_index" in have
+        return key not in OPTION_NAMES or key in have
+
+    kept = [f"{k}={v}" for k, v in ce_options(case.ce).items() if keep(k, v)]
+    low = f"dtype={case.dtype}" in LOW_PRECISIONS and f"dtype={case.dtype}" not in have
+    return replace(case, ce=",".join(kept), bias=case.bias and "bias" in have,
+                   dtype="float32" if low else case.dtype)
+
+
+def options_of(batch: Batch) -> CEOptions:
+    opts = ce_options(batch.ce)
+    softcap = opts.get("softcap")
+    return CEOptions(
+        logit_scale=float(opts.get("logit_scale", 1.0)),
+        softcap=None if softcap is None else float(softcap),
+        label_smoothing=float(opts.get("label_smoothing", 0.0)),
+        lse_square_scale=float(opts.get("lse_square_scale", 0.0)),
+        ignore_index=int(opts.get("ignore_index", IGNORE_INDEX)),
+        reduction=opts.get("reduction", "mean"),
+        ce_weight=None if batch.ce_weight is None else
+        tuple(float(w) for w in batch.ce_weight))
+
+
+def kernel_keywords(batch: Batch) -> dict[str, Any]:
+    """The options a kernel is called with: only those the case sets (an adapter that does not
+    support one is never handed it, and never judged on a case that needs it)."""
+    opts = ce_options(batch.ce)
+    out: dict[str, Any] = {}
+    for key in ("logit_scale", "softcap", "label_smoothing", "lse_square_scale"):
+        if key in opts:
+            out[key] = float(opts[key])
+    if "reduction" in opts:
+        out["reduction"] = opts["reduction"]
+    if "ignore_index" in opts:  # set by with_ce for a case with ignored tokens
+        out["ignore_index"] = int(opts["ignore_index"])
+    if batch.ce_weight is not None:
+        out["ce_weight"] = batch.ce_weight
+    return out
+
+
+def body(batch: Batch) -> tuple[Array, Array]:
+    """The probe body's forward: h and tanh(x @ W) (what its backward needs)."""
+    x = batch.s_in * batch.E[batch.tokens]
+    t = np.tanh(x @ batch.W)
+    return batch.res * x + t, t
+
+
+def body_rows(batch: Batch, t: Array, dh: Array) -> Array:
+    """The input path's per-position rows for an upstream dh: s_in * dL/dx."""
+    dh = np.asarray(dh, dtype=t.dtype)
+    dx = batch.res * dh + (dh * (1 - t * t)) @ batch.W.T
+    return np.asarray(batch.s_in * dx)
+
+
+def inputs(batch: Batch) -> dict[str, Any]:
+    h, _ = body(batch)
+    # in E's own dtype (numpy's bfloat16 arithmetic returns float32 from tanh)
+    return {"h": np.asarray(h, dtype=batch.E.dtype), "E": batch.E, "targets": batch.targets,
+            "b": batch.b, "options": kernel_keywords(batch), "grad_output": batch.grad_output}
+
+
+def _scalar(loss: Any, grad_output: Array | None) -> float:
+    arr = np.asarray(loss, dtype=np.float64)
+    if arr.ndim == 0:
+        return float(arr)
+    weights = np.ones(arr.shape) if grad_output is None else np.asarray(grad_output, np.float64)
+    return float((weights * arr).sum())
+
+
+def complete(batch: Batch, inp: dict[str, Any], precision: str,
+             returned: Returned) -> tuple[Returned, Paths]:
+    """The kernel's outputs judged (findings), and the tie: the returned tied gradient (its dE
+    plus the input path its dh implies) with the reference's two paths."""
+    V, d = batch.E.shape
+    N = batch.tokens.shape[0]
+    opts = options_of(batch)
+    dt = working_dtype(V * d * N, precision)
+    h = np.asarray(inp["h"])
+    args = (h, batch.E, batch.targets, batch.b, opts, batch.grad_output)
+    ref = _reference(args, dt)
+    _, t = body(replace(batch, E=batch.E.astype(dt), W=batch.W.astype(dt)))
+    rows_ref = body_rows(batch, t, ref.dh)
+    ev = returned.evidence
+    dh = np.nan_to_num(np.asarray(ev["dh"], dtype=np.float64), nan=0.0, posinf=0.0,
+                       neginf=0.0)
+    rows_ker = body_rows(batch, t.astype(np.float64), dh)
+    tokens: IntArray = batch.tokens
+    h_inf = np.abs(h).max(axis=1, initial=0.0).astype(np.float64)
+    in_terms = np.bincount(tokens, weights=np.abs(rows_ref).max(axis=1, initial=0.0)
+                           .astype(np.float64), minlength=V)[:V]
+    # the largest logit enters k as in the probe model's bound: a softmax of logits near 1e4
+    # rounds at 1e4 * u before any reduction
+    E64 = np.abs(np.asarray(batch.E, np.float64))
+    zmag = opts.logit_scale * (float(h_inf.max(initial=0.0)) * float(E64.sum(axis=1).max(
+        initial=0.0)) + (0.0 if batch.b is None else float(np.abs(batch.b).max(initial=0.0))))
+    k = float(N + d + np.sqrt(V) + 1 + zmag)
+    terms = Terms(rows=ref.dE_terms + in_terms, k=k,
+                  loss=float(np.abs(np.asarray(ref.loss, np.float64)).sum()) + 1.0 + zmag,
+                  db=ref.db_terms)
+    paths = Paths(loss=_scalar(ref.loss, batch.grad_output),
+                  dE_in=scatter_rows(tokens, rows_ref.astype(np.float64), V),
+                  dE_out=np.asarray(ref.dE, np.float64), dW=np.zeros((0, 0)),
+                  db=None if ref.db is None else np.asarray(ref.db, np.float64),
+                  per_position=rows_ref.astype(np.float64), tokens=tokens, terms=terms)
+    loss = ev["loss"]
+    if _nan_mean_of_nothing(opts, args, ev):
+        loss = ref.loss  # PyTorch's 0/0 (see _nan_mean_of_nothing): judged as the defined 0
+        ev = dict(ev, loss=np.zeros_like(np.asarray(ev["loss"], np.float64)),
+                  nonfinite=[])
+    findings = _kernel_findings(args, dt, ref, ev, returned, precision, k, zmag)
+    total = np.asarray(returned.dE, np.float64) + scatter_rows(tokens, rows_ker, V)
+    # inf/NaN is the finding's verdict (not_finite); the rows compare as zeros there
+    total = np.nan_to_num(total, nan=0.0, posinf=0.0, neginf=0.0)
+    return replace(returned, dE=total, loss=_scalar(loss, batch.grad_output),
+                   findings=tuple(findings)), paths
+
+
+def _total_weight(args: tuple[Any, ...]) -> float:
+    """sum_i t_i of a call's targets under its options (0: the mean is over nothing)."""
+    _, _, y, _, opts, _ = args
+    y = np.asarray(y)
+    live = y != opts.ignore_index
+    if opts.ce_weight is None:
+        return float(live.sum())
+    w = np.asarray(opts.ce_weight, np.float64)
+    return float(w[np.where(live, y, 0)][live].sum())
+
+
+def _nan_mean_of_nothing(opts: CEOptions, args: tuple[Any, ...], ev: Any) -> bool:
+    """A mean over zero total weight returned as NaN with finite gradients: PyTorch's
+    ``F.cross_entropy`` (0/0), and so transformers' ``ForCausalLMLoss`` and torchtune's
+    chunked loss.  The contract defines 0 (litgpt's max(count, 1) division); either is
+    accepted, the gradients must still be zero."""
+    return (opts.reduction == "mean" and _total_weight(args) == 0
+            and list(ev.get("nonfinite", ())) == ["loss"]
+            and bool(np.all(np.isnan(np.asarray(ev["loss"], np.float64)))))
+
+
+def _reference(args: tuple[Any, ...], dt: str) -> CEResult:
+    """The closed form; on tiny shapes its loss and gradients come from the sympy derivation
+    instead (as the probe model's do), the closed form keeping the bound terms."""
+    ref = linear_ce(*args, dtype=dt)
+    V, d = np.shape(args[1])
+    if V * d > SYMBOLIC_CE_ENTRIES or dt != "float64":
+        return ref
+    from tyingspec._src.kinds.linear_ce.symbolic import symbolic_linear_ce
+
+    with np.errstate(all="ignore"):
+        sym = symbolic_linear_ce(*args)
+    values = [sym.loss, sym.dh, sym.dE] + ([] if sym.db is None else [sym.db])
+    if not all(np.all(np.isfinite(v)) for v in values):
+        return ref  # sympy's expression exponentiates unshifted logits: ~1e4 overflows
+    return replace(ref, loss=sym.loss, dh=sym.dh, dE=sym.dE, db=sym.db)
+
+
+#: Kernels whose E has at most this many entries are judged against sympy's derivation.
+SYMBOLIC_CE_ENTRIES = 6
+
+
+_CHECK = "kernel outputs"
+_INVARIANT = ("the kernel's loss, dh, dE and db are the linear cross-entropy's, under its "
+              "options, within the rounding bound")
+
+
+def _matches(result: CEResult, dh: Array, dE: Array, precision: str, k: float) -> tuple[bool,
+                                                                                       bool]:
+    dE_tol = row_tolerance(Terms(rows=result.dE_terms, k=k), precision)  # type: ignore[arg-type]
+    dh_tol = row_tolerance(Terms(rows=result.dh_terms, k=k), precision)  # type: ignore[arg-type]
+    ok_dE = bool(dE_tol.close(dE, np.asarray(result.dE, np.float64)).all())
+    ok_dh = bool(dh_tol.close(dh, np.asarray(result.dh, np.float64)).all())
+    return ok_dh, ok_dE
+
+
+def _kernel_findings(args: tuple[Any, ...], dt: str, ref: CEResult, ev: Any,
+                     returned: Returned, precision: str, k: float, zmag: float,
+                     ) -> list[Finding]:
+    nonfinite = list(ev.get("nonfinite", ()))
+    arrays = {"loss": ev["loss"], "dh": ev["dh"], "dE": returned.dE, "db": returned.db}
+    if nonfinite:
+        return [failed(_CHECK, _INVARIANT, "not_finite",
+                       _nonfinite_detail(nonfinite, arrays, args, precision, zmag))]
+    dh = np.asarray(ev["dh"], np.float64)
+    dE = np.asarray(returned.dE, np.float64)
+    ok_dh, ok_dE = _matches(ref, dh, dE, precision, k)
+    ok_db = True
+    db_detail = ""
+    if ref.db is not None and returned.db is not None:
+        tol = value_tolerance(Terms(rows=ref.dE_terms, k=k), precision,  # type: ignore[arg-type]
+                              ref.db_terms)
+        got_db = np.asarray(returned.db, np.float64)
+        bad = np.abs(got_db - ref.db) > np.asarray(tol.atol) + tol.rtol * np.abs(ref.db)
+        ok_db = not bool(bad.any())
+        if not ok_db:
+            worst = int(np.argmax(np.where(bad, np.abs(got_db - ref.db), -1.0)))
+            db_detail = (f"entries of db wrong: {_entries(np.flatnonzero(bad))} ({int(bad.sum())} "
+                         f"of {bad.size}); entry {worst} is {got_db[worst]:.6g}, the reference "
+                         f"{float(ref.db[worst]):.6g}")
+    loss = np.asarray(ev["loss"], np.float64)
+    ref_loss = np.asarray(ref.loss, np.float64)
+    loss_tol = value_tolerance(Terms(rows=ref.dE_terms, k=k), precision,  # type: ignore[arg-type]
+                               np.abs(ref_loss) + 1.0 + k)
+    ok_loss = loss.shape == ref_loss.shape and bool(np.all(
+        np.abs(loss - ref_loss) <= np.asarray(loss_tol.atol) + loss_tol.rtol * np.abs(ref_loss)))
+    if ok_dh and ok_dE and ok_db and ok_loss:
+        return [passed(_CHECK, _INVARIANT)]
+    hard = _hard_coded_ignore_index(args, dt, dh, dE, precision, k)
+    if hard is not None:
+        return [hard]
+    if not (ok_dh and ok_dE):
+        for name, (label, why) in VARIANTS.items():
+            try:
+                wrong = linear_ce(*args, variant=name, dtype=dt)
+            except ValueError:
+                continue
+            # the bug must show on this batch: its outputs fail the reference's own bound (the
+            # test the kernel failed; the variant's bound can be wider, e.g. with ignored rows)
+            if all(_matches(wrong, dh, dE, precision, k)) and not all(
+                    _matches(ref, np.asarray(wrong.dh, np.float64),
+                             np.asarray(wrong.dE, np.float64), precision, k)):
+                return [failed(_CHECK, _INVARIANT, _label(label),
+                               f"dh and dE match the known bug: {why}")]
+    if ok_dh and not ok_dE:
+        return [failed(_CHECK, _INVARIANT, "dE_wrong_dh_right",
+                       _overwritten_blocks(args, dt, ref, dE, precision, k)
+                       or f"rows of dE wrong: {_rows(dE, ref.dE)}")]
+    if ok_dE and not ok_dh:
+        return [failed(_CHECK, _INVARIANT, "dh_wrong_dE_right",
+                       f"tokens whose dh is wrong: {_rows(dh, ref.dh)}")]
+    if ok_dh and ok_dE and not ok_db:
+        return [failed(_CHECK, _INVARIANT, "bias_gradient_wrong", db_detail)]
+    if ok_dh and ok_dE:
+        return [failed(_CHECK, _INVARIANT, "forward_mismatch",
+                       f"the loss differs: {float(loss.sum()):.6g} against "
+                       f"{float(ref_loss.sum()):.6g}")]
+    return [failed(_CHECK, _INVARIANT, "unknown",
+                   "dh and dE are both wrong and match no known bug")]
+
+
+def _nonfinite_detail(names: list[str], arrays: dict[str, Any], args: tuple[Any, ...],
+                      precision: str, zmag: float) -> str:
+    """Which outputs hold NaN or inf (how many entries, the first tokens or rows), and the
+    cause that fits what is finite: a logsumexp overflow only where the logits reach it."""
+    parts = []
+    for name in names:
+        a = np.asarray(arrays[name], np.float64)
+        nan, inf = np.isnan(a), np.isinf(a)
+        kinds = " and ".join(w for w, m in (("NaN", nan), ("inf", inf)) if m.any())
+        where = ""
+        if a.ndim == 2:
+            rows = np.flatnonzero((nan | inf).any(axis=1))
+            where = f" ({'tokens' if name == 'dh' else 'rows'} {_entries(rows)})"
+        elif a.ndim == 1 and a.size > 1:
+            where = f" (entries {_entries(np.flatnonzero(nan | inf))})"
+        parts.append(f"{name} holds {kinds} in {int((nan | inf).sum())} of {a.size} "
+                     f"entr{'y' if a.size == 1 else 'ies'}{where}")
+    text = "; ".join(parts) + "; the reference is finite"
+    grads = [n for n in names if n != "loss"]
+    if "loss" not in names:
+        text += f". The loss is finite: the backward made the non-finite {', '.join(grads)}"
+    opts = args[4]
+    if opts.reduction == "mean" and _total_weight(args) == 0:
+        text += (". Every token is ignored (or weighs 0): a mean over nothing is 0 (litgpt's "
+                 "max(count, 1)) or, PyTorch's 0/0, a NaN loss with zero gradients")
+    # exp overflows past ~88 (float32 and below) or ~709 (float64) without the max shift
+    if zmag > (709.0 if precision == "float64" else 88.0):
+        text += (f". The logits reach |z| ~ {zmag:.3g}: a logsumexp or softmax without the max "
+                 "shift overflows there")
+    return text
+
+
+def _hard_coded_ignore_index(args: tuple[Any, ...], dt: str, dh: Array, dE: Array,
+                             precision: str, k: float) -> Finding | None:
+    """The kernel's dh and dE are the contract's with ignore_index -100 while the case drew
+    another: it treats the drawn ignore_index as a class (ignore_index hard-coded)."""
+    h, E, y, b, opts, go = args
+    drawn = opts.ignore_index
+    if drawn == IGNORE_INDEX or not np.any(np.asarray(y) == drawn):
+        return None
+    fixed = replace(opts, ignore_index=IGNORE_INDEX)
+    try:
+        wrong = linear_ce(h, E, y, b, fixed, go, dtype=dt)
+    except ValueError:  # a drawn ignore_index outside [0, V) would not be a class
+        return None
+    if not all(_matches(wrong, dh, dE, precision, k)):
+        return None
+    return failed(_CHECK, _INVARIANT, "ignored_not_zeroed",
+                  f"dh and dE are the contract's with ignore_index={IGNORE_INDEX}, not the "
+                  f"case's {drawn}: the kernel trains on the tokens whose target is {drawn} "
+                  f"(tokens {_entries(np.flatnonzero(np.asarray(y) == drawn))}) as if "
+                  f"{drawn} were a class; its ignore_index is hard-coded")
+
+
+#: Block sizes of real kernels (Liger, torchtune, litgpt chunks, CCE tiles) tried when dE is
+#: wrong and dh right: is dE one block's contribution alone?
+BLOCK_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _overwritten_blocks(args: tuple[Any, ...], dt: str, ref: CEResult, dE: Array,
+                        precision: str, k: float) -> str:
+    """'' or the block size B for which the kernel's dE is the last block's contribution
+    alone: each block assigned ``dE = block_dE`` where ``dE += block_dE`` was meant."""
+    h = np.asarray(args[0], dtype=dt)
+    N = h.shape[0]
+    tol = row_tolerance(Terms(rows=ref.dE_terms, k=k), precision)  # type: ignore[arg-type]
+    for B in BLOCK_SIZES:
+        if B >= N:
+            break
+        last = B * ((N - 1) // B)
+        alone = np.asarray(ref.dz[last:].T @ h[last:], np.float64)
+        if bool(tol.close(dE, alone).all()):
+            return (f"dE is the contribution of tokens [{last}, {N}) alone, the last block of "
+                    f"{B}: each block of {B} tokens overwrote dE (`dE = block_dE` where "
+                    f"`dE += block_dE` was meant); right whenever N <= {B}")
+    return ""
+
+
+def _label(name: str) -> Label:
+    return name  # type: ignore[return-value]
+
+
+def _entries(idx: Any, limit: int = 8) -> str:
+    idx = [int(i) for i in idx]
+    return "[" + ", ".join(map(str, idx[:limit])) + (", ..." if len(idx) > limit else "") + "]"
+
+
+def _rows(a: Array, e: Array, limit: int = 8) -> str:
+    diff = np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64)).max(axis=1)
+    scale = np.abs(np.asarray(e, np.float64)).max(initial=0.0)
+    return _entries(np.flatnonzero(diff > 1e-6 * (scale + 1e-300)), limit)
+
+
+#: Tokens in the long case: 4096 + 2048 + 1024 + 512 + 256 + 128 + 37, past two blocks of
+#: every common size up to 4096, each of which (and 7) leaves a partial last block starting
+#: at a token of its own, so a dE that is one block's alone names its block size.  With V and
+#: d small it costs milliseconds of reference.
+LONG_N = 8101
+
+
+def standard_ce_cases(seed: int) -> list[Case]:
+    """The seeded set ``tyingspec check --kind linear-ce`` runs: each option, and the shapes
+    that break chunked kernels (N and V not multiples of a block, an all-ignored chunk, every
+    token ignored, one target everywhere, logits near 1e4 in float32, N past two blocks of
+    2048, inputs in bfloat16).
+
+    Without a bias, as most real kernels are (cut-cross-entropy, torchtune, litgpt); ``ce-bias``
+    has one (with ignored tokens, whose db a kernel may forget to mask).  ``ce-ignore-index``
+    ignores a class of the vocabulary (a pad token id) instead of -100."""
+    base = dict(V=37, d=6, N=23, composition="repeats", distinct=9, e_scale=0.5, bias=False)
+    specs: list[tuple[str, dict[str, Any]]] = [
+        ("ce-plain", {}),
+        ("ce-bias", {"bias": True, "ce": "ignored=0.3,ignore_index=-100"}),
+        ("ce-logit-scale", {"ce": "logit_scale=0.0625", "e_scale": 2.0}),
+        ("ce-softcap", {"ce": "softcap=2.0", "e_scale": 1.2}),
+        ("ce-label-smoothing", {"ce": "label_smoothing=0.1"}),
+        ("ce-z-loss", {"ce": "lse_square_scale=0.01"}),
+        ("ce-ignored", {"ce": "ignored=0.3,ignore_index=-100"}),
+        ("ce-ignore-index", {"ce": "ignored=0.3,ignore_index=vocab"}),
+        ("ce-all-ignored", {"ce": "ignored=1,ignore_index=-100"}),
+        ("ce-class-weights", {"ce": "ce_weight=drawn"}),
+        ("ce-sum", {"ce": "reduction=sum"}),
+        ("ce-none", {"ce": "reduction=none"}),
+        ("ce-one-target", {"ce": "target=same"}),
+        # h = x + tanh(x W) ~ E's rows, so logits ~ d * 40^2 ~ 1e4
+        ("ce-large-logits", {"ce": "logits=1e4", "dtype": "float32", "e_scale": 40.0}),
+        # a kernel right up to one block (`dE = block_dE` for `+=`) is wrong only past it
+        ("ce-long", {"N": LONG_N, "V": 11, "d": 4, "composition": "random",
+                     "distinct": None}),
+        # a kernel's half-precision branch is its own code: reached only by such inputs
+        ("ce-bfloat16", {"ce": "ignored=0.3,ignore_index=-100", "dtype": "bfloat16"}),
+    ]
+    return [Case(name=name, seed=case_seed(seed, name), **(base | kw))  # type: ignore[arg-type]
+            for name, kw in specs]
