@@ -254,7 +254,7 @@ def test_a_failed_report_write_keeps_the_previous_report_and_exits_2(
         capsys: pytest.CaptureFixture[str]) -> None:
     import errno
 
-    from tyingspec import _files
+    from tyingspec._src.core import files as _files
     from tyingspec._src.front.cli import main
 
     report = tmp_path / "r.json"
@@ -279,7 +279,7 @@ def test_two_first_runs_cannot_both_record_a_baseline(tmp_path: Path) -> None:
     path = str(tmp_path / "b.json")
     first = Baseline("case", "t", "model", {"a": "passed"})
     second = Baseline("case", "t", "model", {"a": "failed"})
-    from tyingspec import _files
+    from tyingspec._src.core import files as _files
 
     assert _files.create_exclusive(path, "{}") is True
     assert _files.create_exclusive(path, "{}") is False  # the loser sees the winner's file

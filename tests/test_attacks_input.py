@@ -260,7 +260,7 @@ def test_a_blocked_torch_module_is_a_usage_error_in_process(
 
 def test_a_module_not_found_below_is_mapped_to_its_extra(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from tyingspec import _check
+    from tyingspec._src.front import check as _check
     from tyingspec._src.front.cli import main
 
     def needs_matplotlib(*args: object, **kwargs: object) -> object:
@@ -281,7 +281,7 @@ def test_an_internal_error_exits_2_with_the_message_then_the_traceback(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         exc: Exception) -> None:
     # it was exit 1, which says "a gradient is wrong"
-    from tyingspec import _check
+    from tyingspec._src.front import check as _check
     from tyingspec._src.front.cli import main
 
     def bug(*args: object, **kwargs: object) -> object:
@@ -297,7 +297,7 @@ def test_an_internal_error_exits_2_with_the_message_then_the_traceback(
 
 def test_out_of_memory_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from tyingspec import _check
+    from tyingspec._src.front import check as _check
     from tyingspec._src.front.cli import main
 
     def huge(*args: object, **kwargs: object) -> object:
@@ -324,7 +324,7 @@ def test_available_memory_reads_meminfo(tmp_path: Path, text: str, expected: int
 
 def test_available_memory_falls_back_without_meminfo(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from tyingspec import _options
+    from tyingspec._src.core import options as _options
 
     monkeypatch.setattr(os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 10,
                                                      "SC_PAGE_SIZE": 4096}[name])

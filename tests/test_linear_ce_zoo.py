@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 from torch import Tensor  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from tyingspec import _linear_ce_zoo as zoo  # noqa: E402
+from tyingspec._src.kinds.linear_ce import zoo as zoo  # noqa: E402
 from tyingspec._src.kinds.linear_ce.zoo import (  # noqa: E402
     CHUNK,
     LINEAR_CE_BUILTINS,

@@ -18,8 +18,8 @@ import pytest
 from conftest import Scratch
 from tyingspec.properties import PROPERTIES, for_kind
 
-from tyingspec import _baseline
 from tyingspec._src.core.cases import standard_cases
+from tyingspec._src.front import baseline as _baseline
 from tyingspec._src.front.baseline import apply_check_baseline
 from tyingspec._src.front.check import check_target
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tyingspec import _probe
+from tyingspec._src.core import paths as _probe
 from tyingspec._src.core.cases import at_shape, build, kernel_paths, standard_cases
 from tyingspec._src.core.diagnosis import diagnose
 from tyingspec._src.core.paths import (

@@ -35,7 +35,7 @@ import pytest
 
 from tyingspec._src.core.options import DEFAULT_TIMEOUT, positive_int, positive_seconds
 
-SUITE_PATH = Path(__file__).with_name("_suite.py").resolve()
+SUITE_PATH = Path(__file__).with_name("suite.py").resolve()
 SUITE_NODEID = "tyingspec"
 TEST_PREFIX = f"{SUITE_NODEID}::test_"
 EXIT_ADAPTER = 2
@@ -279,7 +279,7 @@ class _Suite:
             item.user_properties.extend(self._properties(item, exc))
         if ours:
             # Hypothesis would write a patch adding @example(...) to the failing test's source:
-            # here that is tyingspec's installed _suite.py, not the user's code.  The replay
+            # here that is tyingspec's installed suite.py, not the user's code.  The replay
             # line below carries the same example.
             item.__dict__.pop("_hypothesis_failing_examples", None)
         report: pytest.TestReport = yield

@@ -6,7 +6,7 @@ each other.  The parts that are data rather than calculus enter as symbols fed a
 time: the target as a one-hot row ``Y`` (an ignored token's row is all zeros, so its token weight
 ``t_i = Y_i . w`` is 0 without a special case), the class weights ``w`` (ones without
 ``ce_weight``), ``s``, ``eps``, ``lam`` and ``c``.  One token is derived and its compiled
-function is fed every token at once (as ``_symbolic.py`` does): the batch loss is a weighted sum
+function is fed every token at once (as ``core/symbolic.py`` does): the batch loss is a weighted sum
 of the tokens' losses with weights that hold only data, so its derivative is the same weighted
 sum of theirs.  One compiled function serves every N, target pattern and option value of a
 given structure; functions are cached per (V, d, has_bias, has_softcap) in each process.

@@ -8,7 +8,9 @@ them, and nothing below it imports it back.
 
 from __future__ import annotations
 
-from tyingspec._src.kinds.probe import implementations as _implementations  # noqa: F401  (importing registers them)
+# importing these two registers their targets
+from tyingspec._src.kinds.probe import implementations as _implementations  # noqa: F401
+from tyingspec._src.kinds.probe import mutants as _mutants  # noqa: F401
 from tyingspec._src.kinds.probe.registry import REGISTRY as REGISTRY
 from tyingspec._src.kinds.probe.registry import Implementation
 
