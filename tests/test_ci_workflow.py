@@ -175,7 +175,7 @@ def test_workflow_runs_in_a_repository_holding_only_the_adapter(tmp_path: Path) 
         subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True)
 
     # The first run, on the developer's machine (no CI), as the workflow's comment says.
-    plugin_src = (ROOT / "tyingspec" / "_plugin.py").read_text(encoding="utf-8")
+    plugin_src = (ROOT / "tyingspec" / "_src" / "front" / "plugin.py").read_text(encoding="utf-8")
     assert "--tyingspec-update-baseline" in plugin_src
     for command in _first_run_commands():
         done = _bash(command, repo, env)
