@@ -249,9 +249,6 @@ class _Dense:
         actual, d_in, d_out = self._whole
         return _rows_close(self.tol, actual, x * d_in + y * d_out)
 
-    def fit(self) -> tuple[float, float]:
-        return _fit_scales(*self._whole)
-
     def columns(self) -> tuple[Array, Array, Array]:
         """``actual``, ``dE_in`` and ``dE_out`` as flat float64 vectors (for the fits)."""
         actual, d_in, d_out = self._whole
@@ -349,13 +346,6 @@ class _Sketched:
                               <= self._allow_s(y, b)).all(axis=1)
         return ok
 
-    def fit(self) -> tuple[float, float]:
-        A = np.concatenate([np.stack([self.i_e.reshape(-1), self.o_e.reshape(-1)], axis=1),
-                            np.stack([np.zeros(self.p_o.size), self.p_o.reshape(-1)], axis=1)])
-        b = np.concatenate([self.a_e.reshape(-1), self.p_a.reshape(-1)])
-        coef, *_ = np.linalg.lstsq(A, b, rcond=None)
-        return float(coef[0]), float(coef[1])
-
     def columns(self) -> tuple[Array, Array, Array]:
         """The exact rows entry by entry, then the projected rows (where dE_in is zero)."""
         return (np.concatenate([self.a_e.reshape(-1), self.p_a.reshape(-1)]),
@@ -419,10 +409,15 @@ def _holds_some_occurrences(paths: Paths, row: int, actual: Array, out: Array,
         return 1
     if c > _SUBSET_LIMIT:
         return None
-    pick = (np.arange(1, 2 ** c - 1)[:, None] >> np.arange(c)[None, :]) & 1  # proper subsets
+    pick = _subsets(c, proper=True)
     sums = pick.astype(np.float64) @ paths.per_position[where].astype(np.float64) + out
     fit = tol.close(np.broadcast_to(actual, sums.shape), sums).all(axis=1)
     return int(pick[np.flatnonzero(fit)[0]].sum()) if fit.any() else None
+
+
+def _subsets(n: int, *, proper: bool) -> np.ndarray:
+    """Every non-empty subset of ``n`` items as a 0/1 row (the whole set too unless ``proper``)."""
+    return (np.arange(1, 2 ** n - (1 if proper else 0))[:, None] >> np.arange(n)[None, :]) & 1
 
 
 def _wrong_entries(view: _Dense | _Sketched, wrong_rows: list[int], tol: Tolerance) -> int:
@@ -461,7 +456,7 @@ def misrouted_input_fits(paths: Paths, rows: np.ndarray, residuals: Array,
     n = paths.tokens.shape[0]
     if n > _SUBSET_LIMIT:
         return True
-    pick = (np.arange(1, 2 ** n)[:, None] >> np.arange(n)[None, :]) & 1
+    pick = _subsets(n, proper=False)
     sums = pick.astype(np.float64) @ paths.per_position.astype(np.float64)
     return all(bool(tol.rows(rows[i:i + 1]).close(np.broadcast_to(r, sums.shape), sums)
                     .all(axis=1).any())
@@ -479,12 +474,6 @@ def _occurrence_variants(paths: Paths, rows: np.ndarray) -> dict[str, Array]:
         "first occurrence only": paths.per_position[first[where]].astype(np.float64),
         "last occurrence only": paths.per_position[last[where]].astype(np.float64),
     }
-
-
-def _fit_scales(actual: Array, d_in: Array, d_out: Array) -> tuple[float, float]:
-    A = np.stack([d_in.reshape(-1), d_out.reshape(-1)], axis=1)
-    coef, *_ = np.linalg.lstsq(A, actual.reshape(-1), rcond=None)
-    return float(coef[0]), float(coef[1])
 
 
 def _describe_scales(a: float, c: float) -> str:
