@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         diagnose,
     )
     from tyingspec._src.core.finite import central_differences
+    from tyingspec._src.core.kind import Implementation, KindSpec
     from tyingspec._src.core.paths import Paths, closed_form_paths, loss_only
     from tyingspec._src.core.strategies import cases
     from tyingspec._src.core.symbolic import symbolic_paths
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
     from tyingspec._src.front.api import assert_correct, check
     from tyingspec._src.front.check import CaseResult, CheckFailed, CheckReport, check_target
     from tyingspec._src.kinds.probe.builtins import REGISTRY
-    from tyingspec._src.kinds.probe.implementations import Implementation, register
-    from tyingspec._src.kinds.table import KINDS, Kind, KindSpec, resolve
+    from tyingspec._src.kinds.probe.implementations import register
+    from tyingspec._src.kinds.table import KINDS, Kind, resolve
     from tyingspec._src.kinds.torch.target import TorchTarget
 
 _WHERE: dict[str, str] = {
@@ -53,7 +54,7 @@ _WHERE: dict[str, str] = {
     "check": "._src.front.api",
     "assert_correct": "._src.front.api",
     "Diagnosis": "._src.core.diagnosis",
-    "Implementation": "._src.kinds.probe.implementations",
+    "Implementation": "._src.core.kind",
     "LABELS": "._src.core.diagnosis",
     "Paths": "._src.core.paths",
     "Power": "._src.core.diagnosis",
@@ -71,7 +72,7 @@ _WHERE: dict[str, str] = {
     "reference": "._src.engine.observe",
     "KINDS": "._src.kinds.table",
     "Kind": "._src.kinds.table",
-    "KindSpec": "._src.kinds.table",
+    "KindSpec": "._src.core.kind",
     "Label": "._src.core.diagnosis",
     "Precision": "._src.core.tolerance",
     "central_differences": "._src.core.finite",

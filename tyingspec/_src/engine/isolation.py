@@ -535,7 +535,7 @@ def _load_and_answer(conn: Connection, spec: str, kind: str, paths: tuple[str, .
     from tyingspec._src.core.adapters import AdapterError
     from tyingspec._src.kinds.table import KINDS, fitting, resolve
 
-    table = KINDS[kind]  # type: ignore[index]
+    table = KINDS[kind]
     try:
         fn = resolve(spec, kind)
         problem, fits = fitting(fn, kind)

@@ -107,15 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _list() -> int:
     from tyingspec._src.core.cases import standard_cases
-    from tyingspec._src.kinds.probe.builtins import builtins
-    from tyingspec._src.kinds.table import KINDS
+    from tyingspec._src.kinds.table import KINDS, every_builtin
 
     print("built-in targets (name [kinds] what it breaks -> the label a check reaches):")
-    known = list(builtins().values())
-    for spec in KINDS.values():  # the kinds with their own zoo (torch, linear-ce)
-        if spec.builtins is not None:
-            known += list(spec.builtins().values())
-    for impl in known:
+    for impl in every_builtin().values():
         kinds = "/".join(k for k in KINDS if impl.adapter(k) is not None)
         breaks = f"breaks {impl.breaks} -> {impl.expected}" if impl.breaks else "correct"
         print(f"  {impl.name:<24} [{kinds}] {breaks}: {impl.description.splitlines()[0]}")
@@ -134,18 +129,9 @@ def _builtin_kind(target: str) -> str:
     that has it: model before kernel; a torch or linear-ce zoo name its zoo's), else model."""
     if ":" in target:
         return "model"
-    from tyingspec._src.kinds.probe.builtins import builtins
-    from tyingspec._src.kinds.table import KINDS
+    from tyingspec._src.kinds.table import builtin_kind
 
-    impl = builtins().get(target)
-    for name, spec in KINDS.items():
-        if impl is None and spec.builtins is not None:
-            found = spec.builtins().get(target)
-            if found is not None and found.adapter(name) is not None:
-                return name
-        elif impl is not None and impl.adapter(name) is not None:
-            return name
-    return "model"
+    return builtin_kind(target) or "model"
 
 
 def _require_extras(target: str, kind: str, precision: str) -> None:

@@ -22,10 +22,9 @@ from typing import Any
 
 from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.cases import Case
+from tyingspec._src.core.kind import Implementation
 from tyingspec._src.core.options import positive_int
 from tyingspec._src.core.options import seed as option_seed
-from tyingspec._src.kinds.probe.builtins import builtins
-from tyingspec._src.kinds.probe.registry import Implementation
 from tyingspec._src.kinds.table import KIND_NAMES
 
 SCHEMA = "tyingspec.mutants/1"
@@ -260,13 +259,12 @@ def run_row(impl: Implementation, kind: str, *, max_examples: int,
 def targets(kinds: Sequence[str] = KINDS, names: Iterable[str] | None = None
             ) -> list[tuple[Implementation, str]]:
     """(implementation, kind) pairs to run: every registry entry in every kind it has."""
-    from tyingspec._src.kinds.table import kind_spec
+    from tyingspec._src.kinds.table import every_builtin, kind_spec
 
     pairs: list[tuple[Implementation, str]] = []
-    shared = builtins()
-    for k in kinds:  # a kind with its own zoo (torch, linear-ce) runs that; the rest the registry
-        own = kind_spec(k).builtins
-        known = shared if own is None else own()
+    shared = every_builtin()
+    for k in kinds:  # each kind runs its own zoo (the probe kinds share theirs)
+        known = kind_spec(k).builtins()
         chosen = [i for n, i in known.items() if names is None or n in set(names)]
         pairs += [(impl, k) for impl in chosen if impl.adapter(k) is not None]
     order = {id(impl): i for i, impl in enumerate(shared.values())}
@@ -343,12 +341,9 @@ def render(report: PowerReport) -> str:
 
 
 def _mutant_name(text: str) -> str:
-    from tyingspec._src.kinds.table import KINDS as TABLE
+    from tyingspec._src.kinds.table import every_builtin
 
-    known = set(builtins())
-    for spec in TABLE.values():
-        if spec.builtins is not None:
-            known |= set(spec.builtins())
+    known = set(every_builtin())
     if text not in known:
         raise argparse.ArgumentTypeError(
             f"no implementation {text!r}; known: {', '.join(sorted(known))}")
@@ -403,7 +398,7 @@ def _nothing_to_run(names: Sequence[str], kinds: Sequence[str]) -> str:
 
     have: dict[str, list[str]] = {}
     for k, spec in TABLE.items():
-        known = builtins() if spec.builtins is None else spec.builtins()
+        known = spec.builtins()
         for n in names:
             impl = known.get(n)
             if impl is not None and impl.adapter(k) is not None:

@@ -8,37 +8,13 @@ adapter never imports either.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
+from tyingspec._src.core.kind import Implementation as Implementation
 from tyingspec._src.core.paths import Array, IntArray, flatten_batch, forward_parts
 
 Combiner = Callable[[IntArray, Array, Array, Array, int], Array]
 ModelFn = Callable[..., Mapping[str, Any]]
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """A named built-in target: a model adapter, optionally also a kernel adapter."""
-
-    name: str
-    description: str
-    breaks: str | None  # invariant it breaks; None for a correct implementation
-    expected: str  # diagnosis label the checker should reach
-    model: ModelFn | None = None
-    kernel: Combiner | None = None
-    tags: tuple[str, ...] = field(default=())
-    # a kind's own built-in (torch, linear-ce): its adapter, by kind
-    forms: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def correct(self) -> bool:
-        return self.breaks is None
-
-    def adapter(self, kind: str) -> Callable[..., Any] | None:
-        if kind in self.forms:
-            return self.forms[kind]  # type: ignore[no-any-return]
-        return {"model": self.model, "kernel": self.kernel}.get(kind)
 
 
 REGISTRY: dict[str, Implementation] = {}

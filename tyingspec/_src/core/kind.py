@@ -1,0 +1,105 @@
+"""What an adapter kind is: the record each kind's folder fills in, and a named built-in target.
+
+A kind's folder (``kinds/<kind>/``) defines its :class:`KindSpec` in ``spec.py``; the table
+(:mod:`kinds.table`) names that module, one line per kind, and loads it the first time the kind
+is asked for.  The engine, ``tyingspec check``, the properties, the pytest plugin and the kill
+matrix only ever read these records, so a kind is its folder and its table line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from tyingspec._src.core.adapters import signature_problem
+from tyingspec._src.core.cases import Case, standard_cases
+
+if TYPE_CHECKING:
+    from tyingspec._src.core.adapters import Returned
+    from tyingspec._src.core.cases import Batch
+    from tyingspec._src.core.paths import Paths
+
+#: a kind's name, as ``--kind`` spells it (the table's keys are the known ones)
+Kind = str
+#: ``sgd_step``: again after E moved by one SGD step along the dE it returned (a model: a copied
+#: tie shows here); ``repeat``: again on the same inputs (a kernel: a stale workspace shows);
+#: ``none``: the kind's call runs its own repeated passes (torch: fresh and micro-batch checks).
+SecondCall = Literal["sgd_step", "repeat", "none"]
+
+Inputs = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """A named built-in target: a model adapter, optionally also a kernel adapter."""
+
+    name: str
+    description: str
+    breaks: str | None  # invariant it breaks; None for a correct implementation
+    expected: str  # diagnosis label the checker should reach
+    model: Callable[..., Mapping[str, Any]] | None = None
+    kernel: Callable[..., Any] | None = None
+    tags: tuple[str, ...] = field(default=())
+    # a kind's own built-in (torch, linear-ce): its adapter, by kind
+    forms: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def correct(self) -> bool:
+        return self.breaks is None
+
+    def adapter(self, kind: str) -> Callable[..., Any] | None:
+        if kind in self.forms:
+            return self.forms[kind]  # type: ignore[no-any-return]
+        return {"model": self.model, "kernel": self.kernel}.get(kind)
+
+
+def zoo(kind: str, module: Any, table: Mapping[str, Any]) -> dict[str, Implementation]:
+    """A kind's built-in table (name -> an entry with description, breaks, expected, attr) as
+    :class:`Implementation` records whose ``kind`` form is ``module.<attr>``."""
+    return {name: Implementation(name, b.description, b.breaks, b.expected,
+                                 forms={kind: getattr(module, b.attr)})
+            for name, b in table.items()}
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """One adapter kind."""
+
+    name: Kind
+    contract: str  # the signature a person reads
+    positional: tuple[str, ...]  # parameters a matching adapter accepts positionally
+    keywords: tuple[str, ...]  # keyword-only parameters it must accept
+    inputs: Callable[[Batch], Inputs]  # the arrays handed to the adapter for a batch
+    invoke: Callable[[str, Callable[..., Any], Inputs], Returned]  # call and validate
+    # the two-path reference for those inputs, for a check judged at the given precision
+    # (the call's result is passed too: a torch model's paths are observed where it runs)
+    reference: Callable[[Batch, Inputs, str, Returned | None], Paths]
+    second_call: SecondCall  # how it is called a second time (see the engine)
+    properties: tuple[str, ...]  # the properties that apply, in the order they are listed
+    # the kind's built-in targets by name
+    builtins: Callable[[], dict[str, Implementation]]
+    # True when the batch shape (V, d, N) is the target's own (a model's vocabulary, width
+    # and context), asked of it before the first case (see ``engine.observe.shape_of``)
+    own_shape: bool = False
+    # the kind's own judgement of a call, instead of ``reference`` alone: the reference paths
+    # and the returned value completed (a linear-ce kernel's dE plus the input path its dh
+    # implies, and its outputs' findings)
+    complete: Callable[[Batch, Inputs, str, Returned], tuple[Returned, Paths]] | None = None
+    # the seeded cases ``tyingspec check`` runs (default: the probe model's standard cases)
+    cases: Callable[[int], list[Case]] = standard_cases
+    # why a case cannot run on a target, from what the target says of itself (its options);
+    # None: it can (see ``engine.observe.runnable``)
+    unfit: Callable[[dict[str, Any], Case], str | None] | None = None
+    # True when the target runs in its own dtype unless one is declared: the engine hands it
+    # ``precision`` ("auto" or the declared one) with its inputs (a torch model)
+    takes_precision: bool = False
+    # why a callable is not an adapter of this kind, when the positional/keyword names cannot
+    # say (a linear-ce kernel class: options in its constructor, the arrays in ``forward``)
+    signature: Callable[[Callable[..., Any]], str | None] | None = None
+
+    def mismatch(self, fn: Callable[..., Any]) -> str | None:
+        """Why ``fn`` does not look like an adapter of this kind; None when it does."""
+        if self.signature is not None:
+            return self.signature(fn)
+        return signature_problem(fn, self.positional, self.keywords)

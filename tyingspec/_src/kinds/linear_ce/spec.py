@@ -1,0 +1,61 @@
+"""The linear-ce kind's table entry: a fused linear-cross-entropy kernel (a function, or a
+Liger-style class), judged on its dE plus the input path its dh implies.
+
+Torch loads only for a torch-form kernel, inside the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tyingspec._src.core.adapters import Returned
+from tyingspec._src.core.cases import Batch, Case
+from tyingspec._src.core.kind import Implementation, Inputs, KindSpec, zoo
+from tyingspec._src.core.paths import Paths
+from tyingspec._src.kinds.linear_ce import kind
+
+
+def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
+    from tyingspec._src.kinds.linear_ce.adapter import (
+        call_linear_ce,  # torch only for a torch-form kernel
+    )
+
+    return call_linear_ce(spec, fn, inputs)
+
+
+def _signature(fn: Callable[..., Any]) -> str | None:
+    from tyingspec._src.kinds.linear_ce.adapter import signature_problem
+
+    return signature_problem(fn)
+
+
+def _reference(batch: Batch, inputs: Inputs, precision: str,
+               returned: Returned | None) -> Paths:
+    if returned is None:
+        raise ValueError("a linear-ce kernel's reference includes the input path its dh "
+                         "implies: judge a call (tyingspec.observe) instead")
+    return kind.complete(batch, inputs, precision, returned)[1]
+
+
+def _unfit(described: dict[str, Any], case: Case) -> str | None:
+    missing = sorted(kind.needed_options(case) - set(described.get("options", ())))
+    return f"needs option(s) {', '.join(missing)}, which the kernel does not declare" \
+        if missing else None
+
+
+def _builtins() -> dict[str, Implementation]:
+    from tyingspec._src.kinds.linear_ce import zoo as ce_zoo
+
+    return zoo("linear-ce", ce_zoo, ce_zoo.LINEAR_CE_BUILTINS)
+
+
+SPEC = KindSpec(
+    name="linear-ce",
+    contract="f(h, E, targets, b, *, grad_output, **options) -> {'loss', 'dh', 'dE', 'db'}, "
+             "or a class cls(**options)(weight, input, target, bias) -> loss (Liger's)",
+    positional=("h", "E", "targets", "b"), keywords=(), inputs=kind.inputs,
+    invoke=_invoke, reference=_reference, second_call="repeat",
+    properties=("ce_kernel_outputs", "ce_tie_is_the_sum_of_paths"),
+    builtins=_builtins, complete=kind.complete, cases=kind.standard_ce_cases, unfit=_unfit,
+    signature=_signature)
