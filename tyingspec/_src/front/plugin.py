@@ -34,13 +34,13 @@ from typing import Any
 import pytest
 
 from tyingspec._src.core.options import DEFAULT_TIMEOUT, positive_int, positive_seconds
+from tyingspec._src.kinds.table import KIND_NAMES
 
 SUITE_PATH = Path(__file__).with_name("suite.py").resolve()
 SUITE_NODEID = "tyingspec"
 TEST_PREFIX = f"{SUITE_NODEID}::test_"
 EXIT_ADAPTER = 2
-# kept in step with kinds.table by a test (no numpy here)
-KINDS = ("model", "kernel", "torch", "linear-ce")
+KINDS = KIND_NAMES  # the table's names (it imports no numpy until a kind is used)
 PROFILES = ("dev", "ci", "thorough")
 PRECISIONS = ("auto", "float64", "float32", "bfloat16", "float16")
 #: user_properties keys the workers attach to each property's report (builtin strings only:

@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tyingspec._src.core.adapters import AdapterError
-from tyingspec._src.core.kind import Implementation
-from tyingspec._src.core.kind import Kind as Kind
-from tyingspec._src.core.kind import KindSpec as KindSpec
-from tyingspec._src.core.kind import SecondCall as SecondCall
+if TYPE_CHECKING:
+    from tyingspec._src.core.kind import Implementation, KindSpec, SecondCall
+
+# This module imports nothing but the standard library until a kind is asked for: the pytest
+# plugin reads the kinds' names from it in xdist's controller, which never loads numpy.
+
+#: a kind's name, as ``--kind`` spells it (the table's keys are the known ones)
+Kind = str
+
+__all__ = ["KINDS", "KIND_NAMES", "Kind", "KindSpec", "SecondCall", "builtin_kind",
+           "every_builtin", "fitting", "kind_spec", "resolve"]
 
 _LINES: dict[str, str] = {
     "model": "tyingspec._src.kinds.probe.spec:MODEL",
@@ -33,7 +39,7 @@ _LINES: dict[str, str] = {
 KIND_NAMES: tuple[Kind, ...] = tuple(_LINES)
 
 
-class _Table(Mapping[str, KindSpec]):
+class _Table(Mapping[str, "KindSpec"]):
     """The kinds by name, in the table's order, each loaded on first use."""
 
     def __init__(self, lines: Mapping[str, str]) -> None:
@@ -42,6 +48,8 @@ class _Table(Mapping[str, KindSpec]):
 
     def __getitem__(self, name: str) -> KindSpec:
         if name not in self._loaded:
+            from tyingspec._src.core.kind import KindSpec
+
             module, _, attr = self._lines[name].partition(":")
             spec = getattr(importlib.import_module(module), attr)
             if not isinstance(spec, KindSpec) or spec.name != name:
@@ -63,6 +71,15 @@ class _Table(Mapping[str, KindSpec]):
 KINDS: Mapping[Kind, KindSpec] = _Table(_LINES)
 
 
+def __getattr__(name: str) -> Any:
+    # the record types, for ``from kinds.table import KindSpec`` (loaded only when asked for)
+    if name in ("KindSpec", "SecondCall"):
+        from tyingspec._src.core import kind
+
+        return getattr(kind, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def fitting(fn: Callable[..., Any], kind: str) -> tuple[str | None, list[str]]:
     """Why ``fn`` is not a ``kind`` adapter (None when it is), and the other kinds it fits."""
     return KINDS[kind].mismatch(fn), [
@@ -78,6 +95,8 @@ def kind_spec(name: str) -> KindSpec:
 
 def resolve(spec: str, kind: str) -> Callable[..., Any]:
     """Turn a target spec (built-in name or ``module:attr``) into a callable of ``kind``."""
+    from tyingspec._src.core.adapters import AdapterError
+
     if kind not in KINDS:
         raise AdapterError(spec, f"unknown kind {kind!r}", expected=" or ".join(KINDS), got=kind)
     if ":" not in spec:
