@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file, save_model
 
-from tyingspec._src.ckpt.checkpoint import load
+from tyingspec._src.ckpt.read import load
 from tyingspec._src.front.cli import main
 from tyingspec._src.kinds.torch.zoo import gpt2, nanogpt
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file, save_model
 
-from tyingspec._src.ckpt.checkpoint import _same_storage, load
+from tyingspec._src.ckpt.read import load, same_storage
 from tyingspec._src.front.cli import main
 from tyingspec._src.kinds.torch.zoo import nanogpt
 
@@ -284,9 +284,9 @@ def test_attack(capsys: pytest.CaptureFixture[str], tmp_path: Path, f: dict[str,
 def test_same_storage_needs_elements_and_dtype() -> None:
     a, b = torch.empty(0), torch.empty(0, dtype=torch.float16)
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # both 0
-    assert not _same_storage(a, b) and not _same_storage(a, torch.empty(0))
+    assert not same_storage(a, b) and not same_storage(a, torch.empty(0))
     m = torch.ones(3, 2)
-    assert _same_storage(m, m) and not _same_storage(m, m.view(torch.int32))
+    assert same_storage(m, m) and not same_storage(m, m.view(torch.int32))
 
 
 # --- 6: SIGTERM mid-write -------------------------------------------------------------------

@@ -89,7 +89,7 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p = sub.add_parser("ckpt", help="inspect a checkpoint's tie; convert tied <-> untied",
                        description="inspect FILE: how the embedding and head are stored; "
                                    "convert IN OUT --to tied|untied --policy ...: rewrite it.")
-    from tyingspec._src.ckpt.checkpoint import configure_parser
+    from tyingspec._src.ckpt.command import configure_parser
 
     configure_parser(p)
 
@@ -357,7 +357,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         return run_mutants(args)
     if args.command == "ckpt":
-        from tyingspec._src.ckpt.checkpoint import run as run_ckpt
+        from tyingspec._src.ckpt.command import run as run_ckpt
 
         return run_ckpt(args)
     if args.command == "reproduce":
