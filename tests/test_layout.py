@@ -165,3 +165,34 @@ def test_a_kind_does_not_import_the_table_of_kinds() -> None:
     back = sorted((m, t) for m, ts in graph().items() for t in ts
                   if _kind(m) is not None and t == SRC + "kinds.table")
     assert not back, back
+
+
+def test_every_kind_is_a_folder_with_a_spec_and_one_table_line() -> None:
+    # a kind is its folder and its line: the line names the folder's spec.py, the record there
+    # is that kind's, and every kind folder is in the table (no folder left unwired)
+    from tyingspec._src.core.kind import KindSpec
+    from tyingspec._src.kinds.table import _LINES, KINDS
+
+    folders = {p.name for p in (PACKAGE / "_src" / "kinds").iterdir()
+               if p.is_dir() and (p / "__init__.py").exists()}
+    named = set()
+    for kind, line in _LINES.items():
+        module, _, attr = line.partition(":")
+        parts = module.split(".")
+        assert parts[:3] == ["tyingspec", "_src", "kinds"] and parts[4:] == ["spec"], line
+        named.add(parts[3])
+        assert isinstance(KINDS[kind], KindSpec) and KINDS[kind].name == kind
+    assert named == folders, (named, folders)
+
+
+def test_the_table_loads_a_kind_only_when_it_is_used() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from tyingspec._src.kinds.table import KINDS; KINDS['kernel']; "
+            "print(sorted(m for m in sys.modules if m.startswith('tyingspec._src.kinds.') "
+            "and m.count('.') > 3))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    loaded = {m.split(".")[3] for m in eval(out)}  # noqa: S307 (our own printed list)
+    assert loaded == {"probe"}, out
