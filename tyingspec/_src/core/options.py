@@ -9,7 +9,7 @@ import argparse
 
 #: Seconds one call of user code may take before it is ended as an adapter error.
 DEFAULT_TIMEOUT = 120.0
-#: Seconds a failing case may spend shrinking its batch (each try is one more check).
+#: Seconds a run may spend shrinking its failing batches (each try is one more check).
 DEFAULT_SHRINK_BUDGET = 5.0
 
 

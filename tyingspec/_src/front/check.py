@@ -63,25 +63,61 @@ class CaseResult:
             d["diagnosis"] = dd
         if self.shrunk is not None:
             d["smallest_batch"] = {"tokens": list(self.shrunk.tokens or ()),
-                                   "targets": list(self.shrunk.targets or ())}
+                                   "targets": list(self.shrunk.targets or ()),
+                                   "shape": [self.shrunk.V, self.shrunk.d, self.shrunk.N]}
+        if self.shrink_note:
+            d["shrink_note"] = self.shrink_note
         return d
 
 
+#: The largest shape a proxy of a wrong case has: small enough that a shrinking step costs
+#: milliseconds, big enough that a repeated token and an absent row both occur.
+PROXY_SHAPE = (64, 8, 32)
+
+
+@dataclass
+class ShrinkBudget:
+    """The run's time for shrinking, shared by its cases.
+
+    A shrinking step is one more evaluation of the target.  At a production shape a step costs
+    as much as the case itself, so a budget per case would make a broken kernel several times
+    dearer than a correct one.  The run has ``seconds`` in all, and never spends more than
+    ``share`` of what its cases' own evaluations took: a broken target then costs at most
+    (1 + share) times a correct one.  A label is shrunk once per run.
+    """
+
+    seconds: float
+    share: float = 0.5
+    floor: float = 1.0  # what a run may always spend (its cases may take milliseconds)
+    spent: float = 0.0
+    evaluated: float = 0.0  # seconds the cases' own evaluations took so far
+    shrunk: dict[str, str] = field(default_factory=dict)  # label -> the case shrunk for it
+
+    def left(self) -> float:
+        allowed = min(self.seconds, max(self.floor, self.share * self.evaluated))
+        return max(0.0, allowed - self.spent)
+
+
 def shrink(target: Target, case: Case, label: str, budget: float = DEFAULT_SHRINK_BUDGET,
-           ) -> tuple[Case, str]:
+           step_cost: float = 0.0) -> tuple[Case, str]:
     """Delete positions while the same diagnosis label persists (keeps E, W, b), for at most
-    ``budget`` seconds; returns the smallest case found and a note when time ran out."""
-    deadline = time.monotonic() + budget
+    ``budget`` seconds, starting a step only when ``step_cost`` (what one evaluation of this
+    case took) still fits; returns the smallest case found and a note when time ran out."""
+    start = time.monotonic()
+    deadline = start + budget
     tokens = np.asarray(case.tokens, dtype=np.int64)
     targets = np.asarray(case.targets, dtype=np.int64)
     changed = True
     while changed and tokens.shape[0] > 1:
         changed = False
         for i in range(tokens.shape[0]):
-            if time.monotonic() > deadline:
+            if time.monotonic() + step_cost > deadline:
+                if tokens.shape[0] == case.N:
+                    return case, (f"not shrunk: one more evaluation ({step_cost:.2g} s) does "
+                                  f"not fit the {budget:.2g} s left of the run's shrink budget")
                 return (case.with_batch(tokens, targets),
-                        f"shrinking stopped after {budget:g} s (--shrink-budget) at "
-                        f"N={tokens.shape[0]}")
+                        f"shrinking stopped after {time.monotonic() - start:.2g} s (the run's "
+                        f"shrink budget) at N={tokens.shape[0]}")
             t2, y2 = np.delete(tokens, i), np.delete(targets, i)
             try:
                 obs = observe(target, case.with_batch(t2, y2))
@@ -93,11 +129,60 @@ def shrink(target: Target, case: Case, label: str, budget: float = DEFAULT_SHRIN
     return case.with_batch(tokens, targets), ""
 
 
+def proxy_of(case: Case) -> Case | None:
+    """The same case (seed, composition, options) at :data:`PROXY_SHAPE`, where every shape is
+    larger; None when the case is already that small or is defined by its shape."""
+    from tyingspec._src.core.cases import at_shape
+
+    V, d, N = (min(a, b) for a, b in zip((case.V, case.d, case.N), PROXY_SHAPE))
+    if (V, d, N) == (case.V, case.d, case.N) or case.tokens is not None:
+        return None
+    kept, _ = at_shape([case], V, d, N)
+    return kept[0] if kept else None
+
+
+def shrink_in_run(target: Target, case: Case, obs: Observation, cost: float,
+                  budget: ShrinkBudget) -> tuple[Case | None, str]:
+    """Shrink a wrong case (``case`` as asked for, ``obs`` as observed) within the run's
+    budget; (the smallest case, a note on what was done instead of or besides shrinking the
+    case itself)."""
+    label = obs.label
+    if budget.seconds <= 0:  # --shrink-budget 0: shrinking is off
+        return None, ""
+    if label in budget.shrunk:
+        return None, f"not shrunk: case {budget.shrunk[label]} has the same label and was shrunk"
+    t0 = time.monotonic()
+    try:
+        # shrinking the case itself takes about N evaluations of it
+        proxy = proxy_of(case) if cost * obs.case.N > budget.left() else None
+        if proxy is not None:
+            # the rows and the path are already named at full size: shrink where a step is
+            # cheap, on the same case at a small shape, if it shows the same label there
+            try:
+                seen = observe(target, proxy)
+            except AdapterError:
+                seen = None
+            if seen is not None and seen.label == label:
+                budget.shrunk[label] = obs.case.name
+                small, note = shrink(target, seen.case, label, budget.left())
+                where = (f"shrunk on a proxy of this case at V={proxy.V} d={proxy.d} "
+                         f"N={proxy.N}, which shows the same label; the full-size batch was not "
+                         "shrunk")
+                return small, where + (f"; {note}" if note else "")
+        budget.shrunk[label] = obs.case.name
+        small, note = shrink(target, obs.case, label, budget.left(), step_cost=cost)
+        return (None if small is obs.case else small), note
+    finally:
+        budget.spent += time.monotonic() - t0
+
+
 def replay_command(target: Target, base_seed: int, case: Case) -> str:
     parts = ["tyingspec", "check", target.spec, "--kind", target.kind, "--seed",
              str(base_seed), "--case", case.name]
     if target.precision != "auto":
         parts += ["--precision", target.precision]
+    if case.given_shape:  # --shape, or a proxy of a case at it
+        parts += ["--shape", f"{case.V},{case.d},{case.N}"]
     if case.padding_idx is not None and case.probe:
         parts += ["--padding-idx", str(case.padding_idx)]
     if case.tokens is not None and case.targets is not None:
@@ -117,17 +202,24 @@ def result_of(target: Target, obs: Observation, base_seed: int) -> CaseResult:
 
 
 def run_case(target: Target, case: Case, base_seed: int, *, do_shrink: bool = True,
-             shrink_budget: float = DEFAULT_SHRINK_BUDGET) -> CaseResult:
-    """Observe one case through the engine; shrink a wrong one to its smallest batch."""
+             shrink_budget: float | ShrinkBudget = DEFAULT_SHRINK_BUDGET) -> CaseResult:
+    """Observe one case through the engine; shrink a wrong one to its smallest batch, within
+    the run's :class:`ShrinkBudget` (a number: this case's own budget)."""
+    budget = shrink_budget if isinstance(shrink_budget, ShrinkBudget) else ShrinkBudget(
+        shrink_budget, share=float("inf"))
+    t0 = time.monotonic()
     try:
         obs = observe(target, case)
     except AdapterError as exc:
         return CaseResult(case, "adapter_error", error=with_hint(str(exc)),
                           replay=replay_command(target, base_seed, case))
+    cost = time.monotonic() - t0
+    budget.evaluated += cost
     result = result_of(target, obs, base_seed)
     if obs.status == "wrong" and do_shrink and obs.case.N > 1:
-        result.shrunk, result.shrink_note = shrink(target, obs.case, obs.label, shrink_budget)
-        result.replay = replay_command(target, base_seed, result.shrunk)
+        result.shrunk, result.shrink_note = shrink_in_run(target, case, obs, cost, budget)
+        if result.shrunk is not None:
+            result.replay = replay_command(target, base_seed, result.shrunk)
     return result
 
 
@@ -259,9 +351,9 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = Non
                 raise UsageError(f"case {case.name}: {problem}")
         # a model's batch shape is its own: a smaller batch is not one it takes
         do_shrink = not target.table.own_shape
+        budget = ShrinkBudget(shrink_budget)
         for case in cases:
-            result = run_case(target, case, seed, shrink_budget=shrink_budget,
-                              do_shrink=do_shrink)
+            result = run_case(target, case, seed, shrink_budget=budget, do_shrink=do_shrink)
             report.results.append(result)
             if on_result is not None:
                 on_result(result)

@@ -52,8 +52,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "adapter error (default %(default)g); the remaining cases still run")
     p.add_argument("--shrink-budget", type=shrink_budget, default=DEFAULT_SHRINK_BUDGET,
                    metavar="SECONDS",
-                   help="seconds a failing case may spend shrinking its batch "
-                        "(default %(default)g; "
+                   help="seconds the whole run may spend shrinking failing batches, and "
+                        "never more than half of what its cases took (default %(default)g; "
                         "0 turns shrinking off)")
     p.add_argument("--seed", type=seed, default=0, help="base seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="write a tyingspec.check/1 JSON report")

@@ -54,6 +54,8 @@ def render_case(r: CaseResult, *, structural: bool = True) -> list[str]:
         lines.append(f"  smallest failing batch: tokens={list(r.shrunk.tokens or ())} "
                      f"targets={list(r.shrunk.targets or ())}"
                      + (f" ({r.shrink_note})" if r.shrink_note else ""))
+    elif r.shrink_note:
+        lines.append(f"  {r.shrink_note}")
     if r.status != "correct":
         lines.append(f"  replay: {r.replay}")
     return lines
