@@ -49,3 +49,59 @@ def test_bad_input_is_a_value_error_naming_it() -> None:
         tyingspec.check("tied", case="nope")
     with pytest.raises(ValueError, match="unknown kind 'nokind'"):
         tyingspec.check("tied", kind="nokind")
+
+
+# --- warm workers --------------------------------------------------------------------------------
+
+KERNEL_SOURCE = '''
+import numpy as np
+
+def kernel(tokens, dx, h, g, vocab_size):
+    dE = g.T @ h
+    {input_path}
+    return dE
+'''
+RIGHT = "np.add.at(dE, np.asarray(tokens).reshape(-1), dx.reshape(len(tokens), -1))"
+
+
+def _write_kernel(path, input_path: str) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    path.write_text(KERNEL_SOURCE.format(input_path=input_path))
+    # a later mtime even on a filesystem whose clock ticks in whole seconds
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+
+
+def test_a_second_check_reuses_the_worker_until_the_source_changes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tyingspec._src.engine.warm import WARM
+
+    module = tmp_path / "warm_kernel_mod.py"
+    _write_kernel(module, RIGHT)
+    spec, paths = "warm_kernel_mod:kernel", [str(tmp_path)]
+    key = (spec, "kernel", "auto", 120.0, (str(tmp_path),))
+    try:
+        assert tyingspec.check(spec, "kernel", case="repeated-tokens", paths=paths).ok
+        first = WARM._kept[key][0].worker
+        assert first is not None and first._proc is not None
+        pid = first._proc.pid
+        assert tyingspec.check(spec, "kernel", case="absent-tokens", paths=paths).ok
+        again = WARM._kept[key][0].worker
+        assert again is first and again._proc is not None and again._proc.pid == pid
+        # the user fixes nothing but breaks the kernel: the next check runs the new code
+        _write_kernel(module, "pass  # the input path dropped")
+        report = tyingspec.check(spec, "kernel", case="repeated-tokens", paths=paths)
+        assert report.diagnosis_label == "input_path_missing", report.diagnosis
+        assert WARM._kept[key][0].worker is not first
+    finally:
+        WARM.close()
+    assert len(WARM) == 0
+
+
+def test_the_source_stamp_reads_no_user_code(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tyingspec._src.engine.warm import source_stamp
+
+    (tmp_path / "stamp_mod_loud.py").write_text("raise SystemExit('imported!')\n")
+    stamp = source_stamp("stamp_mod_loud:f", [str(tmp_path)])
+    assert stamp is not None and stamp[0].endswith("stamp_mod_loud.py")
+    assert source_stamp("tied", []) is None  # a built-in name has no source to watch

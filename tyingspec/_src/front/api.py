@@ -2,7 +2,10 @@
 raises with the diagnosis.
 
 They run exactly what ``tyingspec check`` runs (the kind's own cases, a ``module:attr`` target
-in its worker process, looked up from the current directory first), without the command line:
+in its worker process, looked up from the current directory first), without the command line.
+The worker stays loaded for the next check of the same target in this process (until its
+source changes; see :mod:`engine.warm`), so a test file that checks one target several times
+pays its import once:
 
     report = tyingspec.check("mypkg.grads:fn", kind="linear-ce")
     assert report.ok, report.diagnosis
@@ -49,9 +52,12 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
             raise ValueError(f"tyingspec.check: no case {case!r} for --kind {kind}; known: "
                              + ", ".join(c.name for c in chosen))
         chosen = named
+    from tyingspec._src.engine.warm import WARM
+
     return check_target(target, kind, seed, chosen, precision=precision,
                         shrink_budget=shrink_budget, timeout=timeout,
-                        paths=tuple(paths) if paths is not None else (os.getcwd(),))
+                        paths=tuple(paths) if paths is not None else (os.getcwd(),),
+                        warm=WARM)
 
 
 def assert_correct(target: str, kind: str | None = None, **options: object) -> CheckReport:

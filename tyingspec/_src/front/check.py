@@ -26,6 +26,7 @@ from tyingspec._src.engine.observe import (
     observe,
     shaped,
 )
+from tyingspec._src.engine.warm import WarmTargets
 
 #: The target a linear-ce kernel ignores (Liger's and torch's default ignore_index).
 IGNORE_INDEX = -100
@@ -316,11 +317,12 @@ class CheckFailed(AssertionError):
 def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = None, *,
                  precision: PrecisionChoice = "auto", shrink_budget: float = DEFAULT_SHRINK_BUDGET,
                  on_result: Any = None, timeout: float = DEFAULT_TIMEOUT,
-                 paths: tuple[str, ...] = ()) -> CheckReport:
+                 paths: tuple[str, ...] = (), warm: WarmTargets | None = None) -> CheckReport:
     """Resolve ``spec`` and run it on every case; adapter errors are recorded, the run goes on.
     A ``module:attr`` target runs in a worker process (``paths`` first on its ``sys.path``,
     ``timeout`` seconds per call).  ``on_result(result)`` is called as each case finishes.
-    ``cases`` default to the kind's own (a linear-ce kernel's, a torch model's)."""
+    ``cases`` default to the kind's own (a linear-ce kernel's, a torch model's).  With
+    ``warm``, the target is taken from there and left loaded for the next check."""
     report = CheckReport(spec, kind, seed, precision=precision)
     if cases is None:
         from tyingspec._src.kinds.table import kind_spec
@@ -329,7 +331,9 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = Non
     if not cases:
         raise UsageError("no case to run, so there is no verdict")
     try:
-        target = load(spec, kind, precision, timeout=timeout, paths=paths, prepare=cases[:1])
+        target = load(spec, kind, precision, timeout=timeout, paths=paths, prepare=cases[:1]) \
+            if warm is None else warm.get(spec, kind, precision, timeout=timeout, paths=paths,
+                                          prepare=cases[:1])
     except AdapterError as exc:
         report.load_error = with_hint(str(exc))
         return report
@@ -358,5 +362,6 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = Non
             if on_result is not None:
                 on_result(result)
     finally:
-        target.close()
+        if warm is None:
+            target.close()
     return report
