@@ -1,0 +1,80 @@
+"""Warm runs: what one more case costs when the target's worker is already loaded (issue 23 §4).
+
+Run from the repository root::
+
+    python -m benchmarks.bench_warm                          # V=50257 d=768 N=1024 (GPT-2)
+    python -m benchmarks.bench_warm --V 2000 --d 64 --N 256 --repeats 3
+
+In one process, interleaved over ``--repeats`` rounds (a, W, a, W, ...):
+
+- (a) one forward+backward of ``benchmarks.torch_probe:tied_f32`` in this process, on the float32
+  batch the check's ``absent-tokens`` case builds at that shape (after one untimed warm-up);
+- (W) ``tyingspec.check("benchmarks.torch_probe:tied_f32", precision="float32",
+  cases=[absent-tokens at that shape], shrink_budget=0)`` with the worker already loaded by an
+  untimed first check: the per-case cost a user's test (or the pytest plugin, whose session
+  fixture keeps one worker per xdist process the same way) pays for every case after the first.
+
+Prints min/median/max of each and median(W)/median(a); the issue's target is at most 2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_check import absent_tokens_batch, forward_backward, spread  # noqa: E402
+from tyingspec import check, standard_cases  # noqa: E402
+from tyingspec._src.core.cases import at_shape  # noqa: E402
+
+TARGET = "benchmarks.torch_probe:tied_f32"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--V", type=int, default=50257)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--N", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args(argv)
+    shape = (a.V, a.d, a.N)
+    cases, _ = at_shape(standard_cases(0), *shape)
+    case = replace(next(c for c in cases if c.name == "absent-tokens"), dtype="float32")
+    fb = forward_backward(absent_tokens_batch(shape, 0))
+    fb()
+    t0 = time.perf_counter()
+    first = check(TARGET, "model", precision="float32", cases=[case], shrink_budget=0,
+                  paths=[str(REPO)])
+    cold = time.perf_counter() - t0
+    if not first.ok:
+        print(first.diagnosis)
+        return 1
+    fa: list[float] = []
+    warm: list[float] = []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        fb()
+        fa.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        report = check(TARGET, "model", precision="float32", cases=[case], shrink_budget=0,
+                       paths=[str(REPO)])
+        warm.append(time.perf_counter() - t0)
+        assert report.ok, report.diagnosis
+    print(f"== warm runs: V={a.V} d={a.d} N={a.N}, float32, {a.repeats} interleaved rounds")
+    print(f"(a) one forward+backward of tied_f32, in process\n    {spread(fa)}")
+    print(f"(W) one more tyingspec.check case, worker loaded (the first, cold: {cold:.2f} s)\n"
+          f"    {spread(warm)}")
+    print(f"median(W) / median(a) = {statistics.median(warm) / statistics.median(fa):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
