@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     )
     from tyingspec._src.front.api import assert_correct, check
     from tyingspec._src.front.check import CaseResult, CheckFailed, CheckReport, check_target
+    from tyingspec._src.kinds.distributed.target import DistributedTarget
     from tyingspec._src.kinds.probe.builtins import REGISTRY
     from tyingspec._src.kinds.probe.implementations import register
     from tyingspec._src.kinds.table import KINDS, Kind, resolve
@@ -87,6 +88,7 @@ _WHERE: dict[str, str] = {
     "symbolic_paths": "._src.core.symbolic",
     "tolerance_for": "._src.core.tolerance",
     "TorchTarget": "._src.kinds.torch.target",
+    "DistributedTarget": "._src.kinds.distributed.target",
 }
 
 __all__ = [
@@ -101,6 +103,7 @@ __all__ = [
     "CheckFailed",
     "CheckReport",
     "Diagnosis",
+    "DistributedTarget",
     "Implementation",
     "Kind",
     "KindSpec",

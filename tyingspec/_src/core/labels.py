@@ -18,7 +18,9 @@ Label = Literal["correct", "no_power", "forward_mismatch", "precision_limited",
                 "logit_scale_dropped", "logit_scale_twice", "softcap_derivative_missing",
                 "label_smoothing_misweighted", "z_loss_missing", "ignored_counted_in_mean",
                 "ignored_not_zeroed", "grad_output_broadcast", "dE_wrong_dh_right",
-                "dh_wrong_dE_right", "bias_gradient_wrong", "not_finite", "unknown"]
+                "dh_wrong_dE_right", "bias_gradient_wrong", "not_finite",
+                "replica_not_synced", "replica_synced_early", "replica_partial_shards",
+                "replicas_averaged", "replicas_diverge", "unknown"]
 
 #: The named verdicts, in the order they are tried, with the sentence a person reads.
 LABELS: dict[Label, str] = {
@@ -87,5 +89,19 @@ LABELS: dict[Label, str] = {
     "bias_gradient_wrong": "the bias gradient db is wrong while dh and dE are right",
     "not_finite": "not finite: the kernel returned inf or NaN where the reference is finite "
                   "(the report names the outputs and entries)",
+    "replica_not_synced": "copies not synced: a rank's copy of the tied matrix holds only its "
+                          "own stage's path (the first stage the input path, the last the "
+                          "output path); the embedding group's all-reduce never summed them",
+    "replica_synced_early": "copies synced too early: a copy lacks a contribution that another "
+                            "rank's copy holds, computed after the sum was taken (a deferred "
+                            "wgrad added after the all-reduce, Megatron-LM #1012)",
+    "replica_partial_shards": "partial shards summed: one path of a copy is a single DP "
+                              "replica's unreduced gradient; the DP reduce-scatter ran before "
+                              "the embedding all-reduce, which added partial results "
+                              "(Megatron-LM #844)",
+    "replicas_averaged": "copies averaged, not summed: every copy holds the tied gradient "
+                         "divided by k",
+    "replicas_diverge": "copies diverge: the copies of the tied matrix are not equal at start, "
+                        "or the optimizer steps them differently",
     "unknown": "wrong, unexplained by the catalogue: see the wrong rows",
 }

@@ -845,7 +845,8 @@ BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[3:]; "
              "from tyingspec._src.engine.worker import main; main(sys.argv[1], sys.argv[2])")
 
 
-def _start(spec: str, kind: str, paths: tuple[str, ...]) -> tuple[_Process, Connection]:
+def _start(spec: str, kind: str, paths: tuple[str, ...],
+           timeout: float = DEFAULT_TIMEOUT) -> tuple[_Process, Connection]:
     """Start a worker for ``spec`` (see :mod:`engine.worker`) and return it with this
     process's end of the connection to it."""
     from multiprocessing import resource_tracker
@@ -864,6 +865,9 @@ def _start(spec: str, kind: str, paths: tuple[str, ...]) -> tuple[_Process, Conn
             [sys.executable, *flags, "-c", BOOTSTRAP, str(child.fileno()),
              str(-1 if tracker is None else tracker), *where],
             stdin=subprocess.DEVNULL, pass_fds=fds,
+            # the call's budget, for a kind that must end its own processes within it (the
+            # distributed kind names the rank that hung before this timeout ends the worker)
+            env={**os.environ, "TYINGSPEC_CALL_TIMEOUT": f"{timeout:g}"},
             # a group of its own from the start, which no Ctrl-C of the terminal reaches;
             # _kill can end it (and what the target forks) before the worker has run a line
             process_group=0)
@@ -908,7 +912,7 @@ class Worker:
         """Start the worker and let it import the target while this process goes on; the
         answer is :meth:`wait_loaded`'s (every call waits for it first)."""
         install_signal_cleanup()
-        proc, parent = _start(self.spec, self.kind, self.paths)
+        proc, parent = _start(self.spec, self.kind, self.paths, self.timeout)
         self._proc, self._conn = proc, parent
         self._loading = time.monotonic() + LOAD_TIMEOUT
 

@@ -34,6 +34,7 @@ _LINES: dict[str, str] = {
     "kernel": "tyingspec._src.kinds.probe.spec:KERNEL",
     "torch": "tyingspec._src.kinds.torch.spec:SPEC",
     "linear-ce": "tyingspec._src.kinds.linear_ce.spec:SPEC",
+    "distributed": "tyingspec._src.kinds.distributed.spec:SPEC",
 }
 
 KIND_NAMES: tuple[Kind, ...] = tuple(_LINES)

@@ -1,0 +1,358 @@
+"""Launching the ranks: one world per layout, kept alive across the cases of a run.
+
+A world is ``pp * dp`` rank processes forked from the process that runs the check (the worker,
+for a ``module:attr`` target), so a rank starts in milliseconds with torch and the target
+already imported (a fresh interpreter spends 2-4 s importing torch, per rank, on a busy 2-core
+machine).  They meet through a ``TCPStore`` this process serves on 127.0.0.1 at a port the
+kernel picks (bound to port 0: no guessed port, no race), join a gloo process group and build
+the groups a :class:`~kinds.distributed.target.World` names.  Each case is one message per rank
+(seed, tokens, targets); each rank answers with its copy's value at start, gradient after the
+step and value after it.
+
+Nothing outlives a run: a rank is a daemon process (multiprocessing ends it at exit), asks the
+kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and in the worker is in the
+worker's process group (killed with it).  A world whose case failed in any way (a rank raised,
+exited or hung) is killed at once and the next case starts a fresh one; :func:`shutdown` ends
+every world (it runs at exit).
+
+Which rank is to blame is decided here.  The process group's timeout is shorter than the
+call's: a rank waiting in a collective for a hung peer raises a timeout of its own, which is
+only a symptom; the rank that never answered is the one named.  The call's budget is
+``--timeout`` (``TYINGSPEC_CALL_TIMEOUT``, set by the worker) or ``DEFAULT_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import datetime
+import functools
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import numpy as np
+
+from tyingspec._src.core.adapters import AdapterError
+from tyingspec._src.core.options import DEFAULT_TIMEOUT
+from tyingspec._src.kinds.distributed.target import DistributedTarget, Layout, World, place
+
+#: What a rank says of a collective it waited in for a peer that raised, exited or hung: a
+#: symptom, never the cause named (matched in the error text, gloo's wording).
+_WAITING = ("Timed out", "timed out", "Connection closed by peer", "Connection reset",
+            "connection reset", "Broken pipe", "closed by peer", "ECONNRESET", "EPIPE",
+            "Socket closed", "Connection refused")
+
+
+def call_budget() -> float:
+    """Seconds one call may take: the worker's ``--timeout``, else the default."""
+    try:
+        return float(os.environ.get("TYINGSPEC_CALL_TIMEOUT", DEFAULT_TIMEOUT))
+    except ValueError:
+        return DEFAULT_TIMEOUT
+
+
+# ---- inside a rank ---------------------------------------------------------------------------
+
+def _store(port: int, size: int, *, master: bool, timeout: float) -> Any:
+    """The world's ``TCPStore`` on 127.0.0.1: served here (``master``, at ``port`` 0: the
+    kernel picks a free one) or joined by a rank."""
+    import torch.distributed as dist
+
+    wait_for = datetime.timedelta(seconds=timeout)
+    # torch documents torch.distributed.TCPStore, but its __init__ imports the name without
+    # re-exporting it (no ``as``), so strict mypy finds no such attribute
+    store_type = dist.TCPStore  # type: ignore[attr-defined]
+    if master:
+        return store_type("127.0.0.1", port, size + 1, is_master=True, wait_for_workers=False,
+                          timeout=wait_for)
+    return store_type("127.0.0.1", port, size + 1, is_master=False, timeout=wait_for)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this rank when the process that forked it dies (Linux; elsewhere the daemon
+    flag and the worker's process group do it)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _full(t: Any) -> np.ndarray | None:
+    """A copy's value or gradient as a float64 array (a DTensor gathered: every rank of an
+    FSDP2 world holds one, so all of them take part)."""
+    if t is None:
+        return None
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    import torch
+
+    return np.asarray(t.detach().to(torch.float64).cpu().numpy(), dtype=np.float64).copy()
+
+
+def _rank_main(conn: Connection, target: DistributedTarget, rank: int, size: int,
+               layout: Layout, micro: int, port: int, pg_timeout: float) -> None:
+    _die_with_parent()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pp, dp = layout
+    try:
+        wait_for = datetime.timedelta(seconds=pg_timeout)
+        store = _store(port, size, master=False, timeout=pg_timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
+                                timeout=wait_for)
+        world = World(rank, size, pp, dp, micro)
+
+        def groups(every: list[tuple[int, ...]], mine: int) -> tuple[Any, tuple[int, ...]]:
+            # every rank creates every group, in the same order (torch's rule for new_group);
+            # this rank keeps the ``mine``-th (its stage's or its replica's)
+            made = [dist.new_group(list(ranks), timeout=wait_for) for ranks in every]
+            return made[mine], every[mine]
+
+        world.dp_group, world.dp_ranks = groups(
+            [tuple(s * dp + r for r in range(dp)) for s in range(pp)], world.stage)
+        world.pp_group, world.pp_ranks = groups(
+            [tuple(s * dp + r for s in range(pp)) for r in range(dp)], world.replica)
+        world.embedding_group, world.embedding_ranks = groups(
+            [tuple(sorted({r, (pp - 1) * dp + r})) for r in range(dp)], world.replica)
+    except BaseException as exc:  # noqa: BLE001  (reported, then this rank ends)
+        conn.send(("error", _text(exc)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            break
+        seed, tokens, targets = message
+        try:
+            conn.send(("ok", _one_case(target, world, seed, tokens, targets)))
+        except BaseException as exc:  # noqa: BLE001  (SystemExit included: reported)
+            conn.send(("error", _text(exc)))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001  (ending anyway)
+        pass
+
+
+def _one_case(target: DistributedTarget, world: World, seed: int, tokens: np.ndarray,
+              targets: np.ndarray) -> dict[str, Any]:
+    import torch
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(seed)
+    state, copy = target.setup(world)
+    start = _full(copy)
+    t = torch.from_numpy(tokens.copy())
+    y = torch.from_numpy(targets.copy())
+    torch.manual_seed(seed + 1)
+    target.step(world, state, t, y)
+    grad = None if copy is None else _full(copy.grad)
+    after = _full(copy)
+    return {"start": start, "grad": grad, "after": after, "has_copy": copy is not None,
+            "has_grad": copy is not None and copy.grad is not None,
+            "dtype": None if copy is None else str(copy.dtype).removeprefix("torch.")}
+
+
+def _text(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+# ---- the coordinator -------------------------------------------------------------------------
+
+@dataclass
+class _World:
+    """A live world: its ranks, their connections and the store they meet at."""
+
+    layout: Layout
+    micro: int
+    target: DistributedTarget  # held, so that its id (in the key) is never reused meanwhile
+    procs: list[BaseProcess]
+    conns: list[Connection]
+    store: Any
+    port: int
+    ports: list[int] = field(default_factory=list)
+
+    def kill(self, *, polite: bool = False) -> None:
+        """End the ranks: asked to finish (``polite``, at shutdown), else killed at once (a
+        failed world: a rank may be stuck where it reads no message)."""
+        for conn in self.conns if polite else ():
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + (2.0 if polite else 0.0)
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for conn in self.conns:
+            conn.close()
+        for p in self.procs:
+            p.close()
+        self.procs, self.conns = [], []
+        self.store = None  # the store's server closes its port when the last reference goes
+
+
+#: live worlds by (target, layout, micro-batches, process-group timeout): a new budget (another
+#: ``--timeout``) needs a world whose collectives time out within it
+_WORLDS: dict[tuple[int, Layout, int, float], _World] = {}
+#: every store port this process has served (tests check none is left listening)
+SERVED: list[int] = []
+
+
+def shutdown() -> None:
+    """End every world this process started (at exit too)."""
+    while _WORLDS:
+        _, w = _WORLDS.popitem()
+        w.kill(polite=True)
+
+
+atexit.register(shutdown)
+
+
+@functools.cache
+def _warm() -> None:
+    """Import, once and before any fork, what torch imports lazily on a step's first use: the
+    first optimizer built imports ``torch._dynamo`` (3-4 s), which every rank of every world
+    would otherwise import again on its own."""
+    import torch._dynamo  # noqa: F401
+
+    import tyingspec._src.kinds.distributed.models  # noqa: F401  (the built-ins' code)
+
+
+def _start(target: DistributedTarget, layout: Layout, micro: int, spec: str,
+           deadline: float, pg_timeout: float) -> _World:
+    _warm()
+    pp, dp = layout
+    size = pp * dp
+    store = _store(0, size, master=True, timeout=pg_timeout)
+    port = int(store.port)
+    SERVED.append(port)
+    ctx = multiprocessing.get_context("fork")
+    procs: list[BaseProcess] = []
+    conns: list[Connection] = []
+    world = _World(layout, micro, target, procs, conns, store, port)
+    try:
+        for rank in range(size):
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, name=f"tyingspec-rank-{rank}",
+                            args=(there, target, rank, size, layout, micro, port, pg_timeout),
+                            daemon=True)
+            p.start()
+            there.close()
+            procs.append(p)
+            conns.append(here)
+        _gather(world, spec, deadline, "starting the world")
+    except BaseException:
+        world.kill()
+        raise
+    return world
+
+
+def run_case(target: DistributedTarget, spec: str, layout: Layout, micro: int, seed: int,
+             tokens: np.ndarray, targets: np.ndarray, deadline: float
+             ) -> list[dict[str, Any]]:
+    """One case on ``layout``'s world (started if need be): every rank's answer, by rank;
+    AdapterError naming the rank when one raised, exited or hung (the world is then ended)."""
+    pg_timeout = max(1.0, 0.4 * call_budget())
+    key = (id(target), (layout[0], layout[1]), micro, pg_timeout)
+    world = _WORLDS.get(key)
+    if world is not None and not all(p.is_alive() for p in world.procs):
+        _WORLDS.pop(key).kill()
+        world = None
+    if world is None:
+        world = _start(target, layout, micro, spec, deadline, pg_timeout)
+        _WORLDS[key] = world
+    for conn in world.conns:
+        conn.send((seed, tokens, targets))
+    try:
+        return _gather(world, spec, deadline, "running the step")
+    except BaseException:
+        _WORLDS.pop(key, None)
+        world.kill()
+        raise
+
+
+def _gather(world: _World, spec: str, deadline: float, during: str) -> list[dict[str, Any]]:
+    """Every rank's answer; the rank to blame when there is none."""
+    pp, dp = world.layout
+    answers: dict[int, Any] = {}
+    waiting: dict[int, str] = {}  # ranks that failed in a collective, waiting for a peer
+    by_conn = {id(c): i for i, c in enumerate(world.conns)}
+    by_sentinel = {p.sentinel: i for i, p in enumerate(world.procs)}
+    pending = set(range(len(world.procs)))
+    where = f"layout pp={pp} x dp={dp}"
+
+    def read(i: int) -> bool:
+        """Take rank ``i``'s message (False: there is none, its pipe is closed)."""
+        try:
+            status, payload = world.conns[i].recv()
+        except (EOFError, OSError):
+            return False
+        if status != "error":
+            answers[i] = payload
+            pending.discard(i)
+        elif any(w in payload for w in _WAITING):
+            waiting[i] = payload
+        else:
+            raise AdapterError(spec, f"{place(i, dp)} raised while {during} ({where})",
+                               got=payload)
+        return True
+
+    while pending - set(waiting):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            silent = sorted(pending - set(waiting))
+            also = f"; {', '.join(place(r, dp) for r in sorted(waiting))} timed out waiting " \
+                   "for it in a collective" if waiting else ""
+            raise AdapterError(spec, f"{', '.join(place(r, dp) for r in silent)} hung while "
+                               f"{during} ({where})", expected="every rank's answer within "
+                               "--timeout", got=f"no answer{also}; the world was killed")
+        live = [world.conns[i] for i in pending - set(waiting)] + \
+            [world.procs[i].sentinel for i in pending - set(waiting)]
+        for ready in wait(live, timeout=min(left, 0.5)):
+            if not isinstance(ready, int):
+                read(by_conn[id(ready)])  # a closed pipe: its sentinel says how it ended
+                continue
+            i = by_sentinel[ready]
+            # its answer may have come before it ended: read it first
+            if i in pending and world.conns[i].poll(0) and read(i):
+                continue
+            if i in pending:
+                world.procs[i].join(1.0)  # reaped, so that its status can be read
+                raise AdapterError(spec, f"{place(i, dp)} {_ended(world.procs[i].exitcode)} "
+                                   f"while {during} ({where})",
+                                   expected="an answer from every rank",
+                                   got="no answer (the process ended); the world was killed")
+    if waiting:  # every rank left failed in a collective: the first says what happened
+        i = min(waiting)
+        raise AdapterError(spec, f"{place(i, dp)} failed in a collective while {during} "
+                           f"({where})", got=waiting[i])
+    return [answers[i] for i in range(len(world.procs))]
+
+
+def _ended(code: int | None) -> str:
+    if code is None:
+        return "ended"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
