@@ -8,7 +8,9 @@ replays exactly.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -99,6 +101,8 @@ class Batch:
     ce: str = ""  # a linear-ce case's options (see Case.ce)
     ce_weight: Array | None = None  # drawn class weights, when the case asks for them
     grad_output: Array | None = None  # drawn [N] upstream gradient for reduction="none"
+    # the kind's inputs, kept when E was let go (see :func:`released`); None: built from E
+    inputs: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
@@ -163,6 +167,28 @@ def build(case: Case) -> Batch:
     return batch
 
 
+#: A batch whose E is at least this many bytes lets it go once a kind's inputs no longer need
+#: it (see :func:`released`); below it E is cheap and kept (properties rebuild inputs from it).
+RELEASE_ABOVE = 64 << 20
+
+
+def released(batch: Batch, inputs: Mapping[str, Any]) -> Batch:
+    """``batch`` without its E, carrying ``inputs`` instead: for a kind whose inputs were made
+    from E and do not hold it (a kernel's are a probe forward over E, and the kernel never
+    reads E).  At Llama-3's head E is 2.1 GB in float32, as large as the dE the kernel returns;
+    kept, it is the largest array a check holds that the implementation's own backward does
+    not.  Its place is taken by a read-only [V, d] array of NaN that owns no memory (one
+    entry, strides 0): whatever reads it by mistake computes NaN, never a plausible value.
+    Below ``RELEASE_ABOVE`` bytes the batch is returned as it is."""
+    E = batch.E
+    if E.nbytes < RELEASE_ABOVE:
+        return batch
+    nan = np.full((), np.nan, dtype=E.dtype)
+    gone = np.lib.stride_tricks.as_strided(nan, shape=E.shape, strides=(0,) * E.ndim,
+                                           writeable=False)
+    return replace(batch, E=gone, inputs=dict(inputs))
+
+
 def case_seed(base: int, name: str) -> int:
     """A stable per-case seed from the run's seed and the case name (same on every machine)."""
     value = base * 1_000_003 + zlib.crc32(name.encode())
@@ -216,31 +242,68 @@ def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], lis
     return kept, left_out
 
 
-def bytes_needed(V: int, d: int, N: int) -> int:
-    """About how many bytes a check of one case at ``V, d, N`` holds at its peak, in 8-byte
-    entries: seven [V, d] arrays (the E it builds, E after the SGD step, the reference's two
-    paths, the returned dE and their differences), two and a half [N, V] (the logits, their
-    softmax, a part of either), one [N, d].
+#: Bytes per entry of the arrays a case is built in, by precision (``auto`` builds float64).
+ENTRY_BYTES = {"auto": 8, "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
-    Fitted to the peak resident memory of ``tyingspec check tied --shape V,d,N --case
-    repeated-tokens`` (numpy 2, CPU), the interpreter's 40 MB left out: 187 MiB at
-    8192,256,512, 311 MiB at 16384,256,256, 473 MiB at 16384,512,64 and 643 MiB at
-    1024,64,32768, each within 4% of this.  It is checked before any array is made, so
-    ``--shape 1000000000,768,1024`` is refused at once instead of failing (or swapping) on
-    its first allocation."""
+
+def bytes_needed(V: int, d: int, N: int, precision: str = "float64", kind: str = "model") -> int:
+    """About how many bytes a check of ``kind`` at ``V, d, N`` in ``precision`` holds at its
+    peak.  ``e`` is a built entry's size (8, 4 or 2 bytes), ``w = max(e, 4)`` that of what is
+    computed from it (a bfloat16 E's forward, g and dE are float32); ``OVERHEAD`` is the
+    interpreter, numpy and the small arrays.  RSS from ``/usr/bin/time -v``, numpy 2, CPU:
+
+    - ``kernel``: the larger of its two phases.  The forward, building the inputs: E, g [N, V],
+      and the dE kept from the previous case (a buffer never zeroed shows across cases).  The
+      calls, E let go (``released``): g, the copy of it handed to the kernel, the previous
+      call's dE and this call's, the kernel's own zeroed [V, d] (the built-in scatters into
+      one) and the previous case's g, kept with its paths: ``3 Vdw + 3 NVw``.  Measured for
+      ``tyingspec check tied --kind kernel --shape V,d,N``: 1.35 GiB at 32768,2048,1024 in
+      float32 (all seven cases; this says 1.25 GiB, 7% under); 5.25 GiB in float32 and 5.23 GiB
+      in bfloat16 at 128256,4096,1024 (one case; this says 7.5 GiB: the zeroed [V, d] was not
+      resident there), so at production shapes it errs high.
+    - ``linear-ce``: ten [V, d] arrays of ``w`` bytes and two [N, V] (E and the copy the torch
+      form is handed, the kernel's dE and the autograd buffers of its chunks, the reference's
+      dE, the first call's tied gradient in float64 beside the repeat's): 3.04 GB measured for
+      ``tyingspec check ce-torch --kind linear-ce --case ce-plain`` at 32768,2048,1024
+      float32, 1.5% under this.
+    - ``model`` (and any other kind): the float64 fit this estimate started from, seven [V, d]
+      arrays (the E it builds, E after the SGD step, the reference's two paths, the returned
+      dE and their differences), two and a half [N, V], one [N, d], in 8-byte entries
+      whatever the precision (a float32 model check was not measured at these sizes), the
+      interpreter left out: 187 MiB at 8192,256,512, 311 MiB at 16384,256,256, 473 MiB at
+      16384,512,64 and 643 MiB at 1024,64,32768, each within 4% of this.
+
+    It is checked before any array is made, so ``--shape 1000000000,768,1024`` is refused at
+    once instead of failing (or swapping) on its first allocation."""
+    e = ENTRY_BYTES.get(precision, 8)
+    w = max(e, 4)
+    if kind == "kernel":
+        forward = V * d * e + N * V * w + V * d * w
+        calls = 3 * V * d * w + 3 * N * V * w
+        return max(forward, calls) + OVERHEAD
+    if kind == "linear-ce":
+        return FIT_CE * V * d * w + 2 * N * V * w + OVERHEAD
     return 8 * (7 * V * d + 5 * N * V // 2 + N * d)
 
 
-def memory_problem(V: int, d: int, N: int, available: int | None) -> str | None:
-    """Why a case at ``V, d, N`` cannot run here (it needs more memory than ``available``
-    bytes); None when it fits or the available memory is unknown."""
+#: [V, d] arrays a linear-ce check holds at its peak (see :func:`bytes_needed`).
+FIT_CE = 10
+#: The interpreter, numpy, and a check's small arrays (sketch projections, h, dx, bounds).
+OVERHEAD = 128 << 20
+
+
+def memory_problem(V: int, d: int, N: int, available: int | None, precision: str = "float64",
+                   kind: str = "model") -> str | None:
+    """Why a case of ``kind`` at ``V, d, N`` in ``precision`` cannot run here (it needs more
+    memory than ``available`` bytes); None when it fits or the available memory is unknown."""
     from tyingspec._src.core.options import byte_text
 
-    need = bytes_needed(V, d, N)
+    need = bytes_needed(V, d, N, precision, kind)
     if available is None or need <= available:
         return None
-    return (f"V={V} d={d} N={N} needs about {byte_text(need)} of memory and this machine has "
-            f"{byte_text(available)} available")
+    built = "float64" if precision == "auto" else precision
+    return (f"V={V} d={d} N={N} in {built} needs about {byte_text(need)} of memory for a "
+            f"{kind} check and this machine has {byte_text(available)} available")
 
 
 def batch_problem(tokens: tuple[int, ...] | None, targets: tuple[int, ...] | None,

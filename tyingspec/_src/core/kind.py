@@ -82,6 +82,9 @@ class KindSpec:
     # True when the batch shape (V, d, N) is the target's own (a model's vocabulary, width
     # and context), asked of it before the first case (see ``engine.observe.shape_of``)
     own_shape: bool = False
+    # the batch once its inputs exist, without what they no longer need (a kernel's E, see
+    # ``core.cases.released``); None: the batch is kept whole
+    release: Callable[[Batch, Inputs], Batch] | None = None
     # the kind's own judgement of a call, instead of ``reference`` alone: the reference paths
     # and the returned value completed (a linear-ce kernel's dE plus the input path its dh
     # implies, and its outputs' findings)

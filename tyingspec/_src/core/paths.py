@@ -98,7 +98,7 @@ class InputPath(_Factored):
     matrix with a few rows written costs page faults over all of it."""
 
     def __init__(self, tokens: IntArray, per_position: Array, vocab_size: int) -> None:
-        self.touched, self.sums = _segment_sums(tokens, per_position)
+        self.touched, self.sums = segment_sums(tokens, per_position)
         self.shape = (vocab_size, per_position.shape[1])
         self.dtype = per_position.dtype
 
@@ -287,7 +287,7 @@ def forward_parts(
     h = res_c * x + t
     # The softmax in place on one [N, V] buffer: at V = 50257 each extra temporary costs as
     # much as a matrix product.
-    g = np.matmul(h, E_out.T, out=memory.empty((n, E_out.shape[0]), np.result_type(h, E_out)))
+    g = _times_rows_T(h, E_out)
     if b is not None:
         g += b
     g -= g.max(axis=1, keepdims=True)  # shifted logits
@@ -298,7 +298,7 @@ def forward_parts(
     loss = float((np.log(z[:, 0]) - at_target).mean()) if n else float("nan")
     g *= (1 / (z * dt.type(n))).astype(dt, copy=False)  # softmax / N
     g[rows, targets] -= dt.type(1) / dt.type(n)
-    dh = g @ E_out
+    dh = _times_rows(g, E_out)
     du = dh * (1 - t * t)
     dx = res_c * dh + du @ W.T
     dW = x.T @ du
@@ -306,7 +306,46 @@ def forward_parts(
     return Parts(loss=loss, x=x, h=h, g=g, dx=dx, du=du, dW=dW, db=db, s_in=float(s_in))
 
 
-def _segment_sums(tokens: IntArray, rows: Array) -> tuple[IntArray, Array]:
+#: Bytes of E cast at a time where E's dtype has no BLAS (bfloat16, float16): numpy's matmul
+#: would otherwise cast the whole of it first, a float32 [V, d] beside it (2.1 GB at Llama-3's
+#: head, more than a bfloat16 E itself).
+_CAST_BYTES = 64 << 20
+
+
+def _cast_blocks(E: Array) -> list[slice] | None:
+    """Row blocks of ``E`` to cast one at a time, or None when its dtype is BLAS's own."""
+    if E.dtype in (np.float32, np.float64):
+        return None
+    rows = max(1, _CAST_BYTES // max(1, 4 * E.shape[1]))
+    return [slice(s, s + rows) for s in range(0, E.shape[0], rows)]
+
+
+def _times_rows_T(h: Array, E: Array) -> Array:
+    """``h @ E.T`` into one [N, V] buffer (its pages faulted in at once)."""
+    dt = np.result_type(h, E)
+    out = memory.empty((h.shape[0], E.shape[0]), dt)
+    blocks = _cast_blocks(E)
+    if blocks is None:
+        return np.matmul(h, E.T, out=out)
+    for b in blocks:  # each entry is the same dot product over d as the whole product's
+        np.matmul(h, E[b].astype(dt).T, out=out[:, b])
+    return out
+
+
+def _times_rows(g: Array, E: Array) -> Array:
+    """``g @ E``, summed over blocks of E's rows where E must be cast (see ``_CAST_BYTES``)."""
+    blocks = _cast_blocks(E)
+    if blocks is None:
+        out: Array = g @ E
+        return out
+    dt = np.result_type(g, E)
+    acc = np.zeros((g.shape[0], E.shape[1]), dtype=dt)
+    for b in blocks:
+        acc += g[:, b] @ E[b].astype(dt)
+    return acc
+
+
+def segment_sums(tokens: IntArray, rows: Array) -> tuple[IntArray, Array]:
     """The distinct tokens (sorted) and, for each, the sum of its rows: what ``np.add.at``
     adds into a token's row, at a fraction of its cost (one segmented sum over the tokens
     sorted; the order of a row's additions may differ, its rounding stays that of a sum)."""
@@ -322,7 +361,7 @@ def _segment_sums(tokens: IntArray, rows: Array) -> tuple[IntArray, Array]:
 def scatter_rows(tokens: IntArray, rows: Array, vocab_size: int) -> Array:
     """Sparse input path: add each row into its token's row; repeated tokens add."""
     out = np.zeros((vocab_size, rows.shape[1]), dtype=rows.dtype)
-    touched, sums = _segment_sums(np.asarray(tokens).reshape(-1), rows)
+    touched, sums = segment_sums(np.asarray(tokens).reshape(-1), rows)
     out[touched] = sums
     return out
 

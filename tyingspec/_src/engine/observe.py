@@ -30,6 +30,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from tyingspec._src.core import memory
 from tyingspec._src.core.adapters import AdapterError, Returned
 from tyingspec._src.core.cases import PROBE_CASES, Batch, Case, at_shape, build, sgd_step
 from tyingspec._src.core.diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
@@ -174,7 +175,14 @@ def _prepare(target: Target, cases: Sequence[Case]) -> None:
                 paths = target.table.reference(batch, inputs, target.precision, None)
             except Exception:  # noqa: BLE001  (raised again by the first call)
                 paths = None
-        target._prepared[case] = _Prepared(spelled, batch, inputs, paths)
+        target._prepared[case] = _Prepared(spelled, _released(target, batch, inputs), inputs,
+                                           paths)
+
+
+def _released(target: Target, batch: Batch, inputs: dict[str, Any]) -> Batch:
+    """The batch without what the kind's inputs no longer need (a kernel's E)."""
+    release = target.table.release
+    return batch if release is None else release(batch, inputs)
 
 
 def declared(target: Target, case: Case) -> Case:
@@ -464,8 +472,9 @@ def first_call(target: Target, case: Case, **overrides: Any) -> Observation:
     prepared = None if overrides else target._prepared.pop(case, None)
     if prepared is None:
         case, batch = batch_for(target, case)
-        inputs, returned, paths, precision = _called(
-            target, batch, target.table.inputs(batch) | overrides if overrides else None)
+        inputs = target.table.inputs(batch) | overrides
+        batch = _released(target, batch, inputs)
+        inputs, returned, paths, precision = _called(target, batch, inputs)
     else:
         case, batch = prepared.case, prepared.batch
         inputs, returned, paths, precision = _called(target, batch, prepared.inputs,
@@ -481,16 +490,19 @@ _LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Paths]] = {}
 
 def _remember(target: Target, obs: Observation) -> Observation:
     key = (target.spec, target.kind, tuple(obs.returned.dE.shape))
-    previous = _LAST.get(key)
+    previous = _LAST.pop(key, None)  # let go before this dE is kept: never two kept at once
+    if not (previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated" or
+            obs.diagnosis.findings):  # a named check decided it, not the rows
+        obs = replace(obs, diagnosis=_stale(obs.diagnosis, previous, obs.returned, obs.paths,
+                                            obs.precision))
+    del previous
     # a copy in its own dtype (an adapter may reuse its buffer); float64 only if ever compared.
-    # A worker's dE is already this process's own copy (see Worker.collect).
+    # A worker's dE is already this process's own copy (see Worker.collect), and so is one
+    # nothing else can reach (its Returned and this name hold it: core.memory.unshared).
     dE = obs.returned.dE
-    _LAST[key] = (dE if target.worker is not None else np.array(dE, copy=True), obs.paths)
-    if previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated" or \
-            obs.diagnosis.findings:  # a named check decided it, not the rows
-        return obs
-    stale = _stale(obs.diagnosis, previous, obs.returned, obs.paths, obs.precision)
-    return replace(obs, diagnosis=stale)
+    kept = target.worker is not None or memory.unshared(dE, holders=2)
+    _LAST[key] = (dE if kept else np.array(dE, copy=True), obs.paths)
+    return obs
 
 
 def _stale(diag: Diagnosis, previous: tuple[np.ndarray, Paths], returned: Returned,

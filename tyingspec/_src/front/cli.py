@@ -220,7 +220,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # a model with a shape of its own (a torch model) keeps its V and d, checked against
         # the model once it is loaded, and takes N as its batch x sequence
         problem = None if spec.own_shape else memory_problem(
-            V, d, max(N, len(args.tokens or ())), available_memory())
+            V, d, max(N, len(args.tokens or ())), available_memory(), args.precision,
+            spec.name)
         if problem is not None:
             parser.error(f"--shape {V},{d},{N}: {problem}; choose a smaller shape")
         cases, left_out = at_shape(cases, V, d, N)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tyingspec._src.core.adapters import Returned, call_kernel, call_model
-from tyingspec._src.core.cases import Batch, kernel_paths, model_reference
+from tyingspec._src.core.cases import Batch, kernel_paths, model_reference, released
 from tyingspec._src.core.kind import Implementation, Inputs, KindSpec
 from tyingspec._src.core.paths import Paths, forward_parts
 
@@ -31,6 +31,11 @@ def _model_reference(batch: Batch, inputs: Inputs, precision: str,
 
 
 def _kernel_inputs(batch: Batch) -> Inputs:
+    if batch.inputs is not None:  # made before E was let go (see core.cases.released)
+        if batch.inputs["tokens"] is not batch.tokens:
+            raise ValueError("this kernel batch let its E go: its tokens cannot change (build "
+                             "the batch again)")
+        return dict(batch.inputs)
     # the kernel's inputs come from a real forward pass of the probe model on the batch
     p = forward_parts(batch.E, batch.E, batch.W, batch.b, batch.tokens, batch.targets,
                       batch.res, batch.s_in)
@@ -68,7 +73,7 @@ KERNEL = KindSpec(
     name="kernel", contract="f(tokens, dx, h, g, vocab_size) -> dE",
     positional=("tokens", "dx", "h", "g", "vocab_size"), keywords=(),
     inputs=_kernel_inputs, invoke=call_kernel, reference=_kernel_reference,
-    second_call="repeat",
+    second_call="repeat", release=released,
     properties=("sum_of_paths", "absent_rows_are_output_path", "repeated_tokens_accumulate",
                 "relabelling_permutes_rows", "micro_batches_accumulate",
                 "inputs_untouched", "same_call_same_gradient", "linear_in_dx",

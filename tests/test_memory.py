@@ -1,0 +1,200 @@
+"""What a check keeps in memory at production shapes (issue 23 §3), asserted as structure at small
+shapes: which arrays exist and what they hold, never how many bytes a run took (the figures are
+benchmarks/bench_memory.py's)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tyingspec._src.core import cases, memory
+from tyingspec._src.core.cases import Case, build, bytes_needed, memory_problem, released
+from tyingspec._src.engine import observe as ob
+from tyingspec._src.kinds.probe.spec import KERNEL
+
+LLAMA3 = (128256, 4096, 1024)
+
+
+def _case(**kw: object) -> Case:
+    base: dict[str, object] = dict(name="m", V=300, d=16, N=40, seed=7, composition="repeats",
+                                   distinct=9, dtype="float32", e_scale=0.02)
+    return Case(**(base | kw))  # type: ignore[arg-type]
+
+
+# --- the estimate -------------------------------------------------------------------------------
+
+def test_the_estimate_defaults_to_the_float64_model_fit() -> None:
+    V, d, N = 50257, 768, 1024
+    assert bytes_needed(V, d, N) == 8 * (7 * V * d + 5 * N * V // 2 + N * d)
+    assert bytes_needed(V, d, N) == bytes_needed(V, d, N, "float64", "model")
+
+
+def test_the_kernel_estimate_follows_the_precision() -> None:
+    f64, f32, bf16 = (bytes_needed(*LLAMA3, p, "kernel") for p in ("float64", "float32",
+                                                                   "bfloat16"))
+    assert f64 > f32 > 0
+    # a bfloat16 E is half a float32 one, but its forward and dE are float32
+    assert f32 // 2 < bf16 <= f32 + LLAMA3[0] * LLAMA3[1] * 2
+    assert bytes_needed(*LLAMA3, "auto", "kernel") == f64  # auto builds float64
+
+
+def test_the_kernel_estimate_is_below_the_model_fit_and_linear_ce_above_it() -> None:
+    kernel = bytes_needed(*LLAMA3, "float32", "kernel")
+    assert kernel < bytes_needed(*LLAMA3, "float32", "model")
+    assert kernel < bytes_needed(*LLAMA3, "float32", "linear-ce")
+    # Llama-3's head in float32 fits a 24 GiB machine as a kernel check
+    assert memory_problem(*LLAMA3, 20 << 30, "float32", "kernel") is None
+
+
+def test_the_refusal_names_the_precision_and_the_kind() -> None:
+    problem = memory_problem(*LLAMA3, 1 << 30, "bfloat16", "kernel")
+    assert problem is not None
+    assert "bfloat16" in problem and "kernel" in problem and "V=128256" in problem
+    auto = memory_problem(*LLAMA3, 1 << 30, "auto", "linear-ce")
+    assert auto is not None and "float64" in auto and "linear-ce" in auto
+    assert memory_problem(*LLAMA3, None, "float32", "kernel") is None  # unknown: nothing refused
+
+
+def test_the_cli_refusal_names_the_precision(capsys: pytest.CaptureFixture[str]) -> None:
+    from tyingspec._src.front.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["check", "tied", "--kind", "kernel", "--shape", "1000000000,4096,1024",
+              "--precision", "bfloat16"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "in bfloat16 needs about" in err and "kernel check" in err
+
+
+# --- a kernel case lets its E go -----------------------------------------------------------------
+
+def test_kernel_inputs_do_not_keep_E_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cases, "RELEASE_ABOVE", 0)
+    batch = build(_case())
+    E = weakref.ref(batch.E)
+    inputs = KERNEL.inputs(batch)
+    assert not any(v is batch.E for v in inputs.values())
+    light = released(batch, inputs)
+    del batch
+    gc.collect()
+    assert E() is None, "something the kernel kind keeps still holds E"
+    # the inputs are the memo, the same arrays; E's place holds NaN and owns no memory
+    again = KERNEL.inputs(light)
+    assert all(again[k] is inputs[k] for k in inputs)
+    assert light.E.shape == (300, 16) and light.E.strides == (0, 0)
+    assert not light.E.flags.writeable and np.isnan(light.E[0, 0])
+
+
+def test_a_released_batch_refuses_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cases, "RELEASE_ABOVE", 0)
+    batch = build(_case())
+    light = released(batch, KERNEL.inputs(batch))
+    with pytest.raises(ValueError, match="let its E go"):
+        KERNEL.inputs(replace(light, tokens=light.tokens[:5].copy()))
+
+
+def test_a_small_batch_keeps_its_E() -> None:
+    batch = build(_case())
+    assert released(batch, KERNEL.inputs(batch)) is batch
+
+
+@pytest.mark.parametrize(("name", "label"), [("tied", "correct"),
+                                             ("output-path-only", "input_path_missing"),
+                                             ("duplicates-buffered",
+                                              "duplicates_not_accumulated"),
+                                             ("grad-not-zeroed", "gradient_not_zeroed")])
+def test_a_check_without_E_reaches_the_same_verdicts(monkeypatch: pytest.MonkeyPatch,
+                                                     name: str, label: str) -> None:
+    from tyingspec._src.kinds.probe.mutants import reset_state
+
+    reset_state()
+    ob._LAST.clear()
+    case = _case(V=3000, d=8, N=64)
+    kept = ob.observe(ob.load(name, "kernel", "float32"), case)
+    reset_state()
+    ob._LAST.clear()
+    monkeypatch.setattr(cases, "RELEASE_ABOVE", 0)
+    light = ob.observe(ob.load(name, "kernel", "float32"), case)
+    assert kept.label == light.label == label
+    assert kept.batch.E.strides != (0, 0) and light.batch.E.strides == (0, 0)
+    reset_state()
+    ob._LAST.clear()
+
+
+# --- the previous dE is kept without a copy only when nothing else can reach it ------------------
+
+def test_unshared_counts_every_other_holder() -> None:
+    a = np.ones(8)
+    assert memory.unshared(a, holders=1)
+    b = a
+    assert not memory.unshared(a, holders=1) and memory.unshared(a, holders=2)
+    del b
+    view = a[2:]
+    assert not memory.unshared(a, holders=1)  # the view holds it
+    assert not memory.unshared(view, holders=1)  # and a view is never its own buffer
+    del view
+    ref = weakref.ref(a)
+    assert not memory.unshared(a, holders=1)  # a weak reference can reach it later
+    del ref
+    assert memory.unshared(a, holders=1)
+
+
+def test_a_fresh_dE_is_kept_without_a_copy() -> None:
+    ob._LAST.clear()
+    target = ob.load("tied", "kernel", "float32")
+    obs = ob._remember(target, ob.first_call(target, _case()))
+    kept = [v[0] for k, v in ob._LAST.items() if k[:2] == ("tied", "kernel")]
+    assert len(kept) == 1 and kept[0] is obs.returned.dE
+    ob._LAST.clear()
+
+
+_BUFFER_KERNEL = '''
+import numpy as np
+_BUF = {}
+
+def kernel(tokens, dx, h, g, vocab_size):
+    # its own buffer, returned itself (not a copy) and accumulated into, never zeroed
+    buf = _BUF.setdefault(vocab_size, np.zeros((vocab_size, dx.shape[1]), dx.dtype))
+    buf += g.T @ h
+    np.add.at(buf, tokens, dx)
+    return buf
+'''
+
+
+def test_a_buffer_the_adapter_keeps_is_still_copied(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "memory_buffer_kernel.py").write_text(_BUFFER_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ob._LAST.clear()
+    target = ob.load("memory_buffer_kernel:kernel", "kernel", "float32", isolate=False)
+    first = ob._remember(target, ob.first_call(target, _case()))
+    kept = [v[0] for k, v in ob._LAST.items() if k[0] == "memory_buffer_kernel:kernel"]
+    assert len(kept) == 1 and kept[0] is not first.returned.dE
+    obs = ob.observe(target, _case(seed=8))
+    assert obs.label == "gradient_not_zeroed"
+    kept = [v[0] for k, v in ob._LAST.items() if k[0] == "memory_buffer_kernel:kernel"]
+    assert len(kept) == 1 and kept[0] is not obs.returned.dE
+    ob._LAST.clear()
+
+
+# --- a bfloat16 E is cast a block of rows at a time ----------------------------------------------
+
+def test_a_bfloat16_forward_casts_E_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tyingspec._src.core import paths
+
+    batch = build(_case(dtype="bfloat16"))
+    whole = paths.forward_parts(batch.E, batch.E, batch.W, batch.b, batch.tokens,
+                                batch.targets)
+    monkeypatch.setattr(paths, "_CAST_BYTES", 4 * 16 * 64)  # 64 rows of E per block
+    blocks = paths._cast_blocks(batch.E)
+    assert blocks is not None and len(blocks) == 5
+    assert paths._cast_blocks(batch.E.astype(np.float32)) is None  # BLAS's own: one product
+    part = paths.forward_parts(batch.E, batch.E, batch.W, batch.b, batch.tokens, batch.targets)
+    assert part.g.dtype == whole.g.dtype == np.float32
+    np.testing.assert_allclose(part.g, whole.g, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(part.dx, whole.dx, rtol=1e-4, atol=1e-7)
