@@ -28,6 +28,7 @@ from . import _tie  # noqa: F401
 from . import _kernel  # noqa: F401
 from . import _torch  # noqa: F401  (imports no torch: the call does, in the worker)
 from . import _linear_ce  # noqa: F401
+from . import _jax  # noqa: F401  (imports no jax: the call does, in the worker)
 from . import _distributed  # noqa: F401  (imports no torch: the call does, where ranks run)
 # isort: on
 from tyingspec._src.core.strategies import cases, compositions

@@ -97,7 +97,8 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_the_quick_start_has_a_command_per_kind_and_each_names_a_file_under_examples() -> None:
     checks = [c for c, _ in COMMANDS if c.startswith("tyingspec check")]
-    for kind in ("", "--kind kernel", "--kind torch", "--kind linear-ce", "--kind distributed"):
+    for kind in ("", "--kind kernel", "--kind torch", "--kind linear-ce", "--kind distributed",
+                 "--kind jax"):
         assert any(kind in c for c in checks), kind
     for command, _ in COMMANDS:
         module = re.search(r"(examples(?:\.\w+)+):\w+", command)

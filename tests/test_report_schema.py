@@ -194,7 +194,8 @@ def test_the_validator_rejects_what_the_schema_forbids() -> None:
             "verdict": "correct", "diagnosis": "correct", "exit_code": 0, "precision": "auto",
             "load_error": None, "cases": [], "baseline": None}
     assert errors(good, schema, schema) == []
-    for change, words in [({"kind": "jax"}, "is not one of"), ({"seed": "0"}, "is not integer"),
+    for change, words in [({"kind": "tensorflow"}, "is not one of"),
+                          ({"seed": "0"}, "is not integer"),
                           ({"exit_code": True}, "is not integer"),
                           ({"surprise": 1}, "not in the schema"),
                           ({"cases": [{"name": "c"}]}, "required key 'seed' missing")]:

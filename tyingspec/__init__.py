@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from tyingspec._src.front.api import assert_correct, check
     from tyingspec._src.front.check import CaseResult, CheckFailed, CheckReport, check_target
     from tyingspec._src.kinds.distributed.target import DistributedTarget
+    from tyingspec._src.kinds.jax.target import JaxTarget
     from tyingspec._src.kinds.probe.builtins import REGISTRY
     from tyingspec._src.kinds.probe.implementations import register
     from tyingspec._src.kinds.table import KINDS, Kind, resolve
@@ -56,6 +57,7 @@ _WHERE: dict[str, str] = {
     "assert_correct": "._src.front.api",
     "Diagnosis": "._src.core.diagnosis",
     "Implementation": "._src.core.kind",
+    "JaxTarget": "._src.kinds.jax.target",
     "LABELS": "._src.core.diagnosis",
     "Paths": "._src.core.paths",
     "Power": "._src.core.diagnosis",
@@ -105,6 +107,7 @@ __all__ = [
     "Diagnosis",
     "DistributedTarget",
     "Implementation",
+    "JaxTarget",
     "Kind",
     "KindSpec",
     "Label",

@@ -34,6 +34,7 @@ _LINES: dict[str, str] = {
     "kernel": "tyingspec._src.kinds.probe.spec:KERNEL",
     "torch": "tyingspec._src.kinds.torch.spec:SPEC",
     "linear-ce": "tyingspec._src.kinds.linear_ce.spec:SPEC",
+    "jax": "tyingspec._src.kinds.jax.spec:SPEC",
     "distributed": "tyingspec._src.kinds.distributed.spec:SPEC",
 }
 
