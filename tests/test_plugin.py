@@ -14,6 +14,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from tyingspec._src.kinds.table import KIND_NAMES
 from conftest import Scratch
 from hypothesis import Phase
 from tyingspec.properties import for_kind
@@ -311,7 +313,8 @@ def test_tyingspec_options_without_an_adapter_are_a_usage_error(
 
 
 @pytest.mark.parametrize("option, message", [
-    ("--tyingspec-kind=both", "expected kind model or kernel or torch or linear-ce, got 'both'"),
+    # every kind of the table, in its order
+    ("--tyingspec-kind=both", f"expected kind {' or '.join(KIND_NAMES)}, got 'both'"),
     ("--tyingspec-profile=fast", "expected profile dev or ci or thorough, got 'fast'"),
     ("--tyingspec-max-examples=0", "expected a positive integer, got 0"),
     ("--tyingspec-adapter=my module:f", "expected module:attr with dotted Python names"),
