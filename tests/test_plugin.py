@@ -14,8 +14,6 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-from tyingspec._src.kinds.table import KIND_NAMES
 from conftest import Scratch
 from hypothesis import Phase
 from tyingspec.properties import for_kind
@@ -24,6 +22,7 @@ from tyingspec._src.core.cases import standard_cases
 from tyingspec._src.front.baseline import apply_check_baseline, load
 from tyingspec._src.front.check import check_target
 from tyingspec._src.front.suite import profile_settings
+from tyingspec._src.kinds.table import KIND_NAMES
 
 ADAPTERS = textwrap.dedent('''
     """A user's adapters: tyingspec's correct and broken built-ins, re-exported."""
