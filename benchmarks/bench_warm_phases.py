@@ -1,0 +1,70 @@
+"""Where one warm `tyingspec.check` case goes at GPT-2 size: the engine's phases, timed.
+
+    python -m benchmarks.bench_warm_phases
+
+Checks ``benchmarks.torch_probe:tied_f32`` once (untimed: the worker loads), then once more with
+each phase of the engine wrapped in a timer: building the batch, the reference, the worker's
+calls (``Worker.collect``: waiting for the call, the first and the one after the SGD step),
+judging, the SGD step.  One run; compare with ``bench_warm``'s one forward+backward.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import tyingspec._src.engine.isolation as iso  # noqa: E402
+import tyingspec._src.engine.observe as ob  # noqa: E402
+from tyingspec import check, standard_cases  # noqa: E402
+from tyingspec._src.core.cases import at_shape  # noqa: E402
+
+TARGET = "benchmarks.torch_probe:tied_f32"
+SPENT: dict[str, float] = collections.defaultdict(float)
+
+
+def timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*a: Any, **k: Any) -> Any:
+        s = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            SPENT[label] += time.perf_counter() - s
+    return wrapper
+
+
+def main() -> int:
+    for name, label in (("batch_for", "build batch"), ("_judged", "reference (after a call)"),
+                        ("judge", "judge"), ("sgd_step", "SGD step")):
+        setattr(ob, name, timed(label, getattr(ob, name)))
+    table_reference = ob.KINDS["model"].reference
+    for name in ("submit", "collect"):
+        setattr(iso.Worker, name, timed(f"worker.{name}", getattr(iso.Worker, name)))
+    cases, _ = at_shape(standard_cases(0), 50257, 768, 1024)
+    case = replace(next(c for c in cases if c.name == "absent-tokens"), dtype="float32")
+
+    def run() -> bool:
+        return check(TARGET, "model", precision="float32", cases=[case], shrink_budget=0,
+                     paths=[str(REPO)]).ok
+
+    assert run()
+    SPENT.clear()
+    object.__setattr__(ob.KINDS["model"], "reference", timed("reference", table_reference))
+    t0 = time.perf_counter()
+    assert run()
+    print(f"one warm case at V=50257 d=768 N=1024 float32: {time.perf_counter() - t0:.2f} s")
+    for k, v in sorted(SPENT.items(), key=lambda x: -x[1]):
+        print(f"  {k:<26} {v:6.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
