@@ -108,6 +108,25 @@ def _finite_sum(a: np.ndarray) -> bool:
         return bool(np.isfinite(a.sum(dtype=np.promote_types(a.dtype, np.float32))))
 
 
+
+def model_batch(adapter: str, inputs: Mapping[str, Any], batch_size: int, vocab: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A model's tokens and targets as ``[batch_size, T]`` arrays, after checking the batch
+    splits into its batch size and every token id is in its vocabulary (a torch or jax model
+    would raise an IndexError inside its embedding, a traceback instead of this message)."""
+    tokens = np.asarray(inputs["tokens"], dtype=np.int64)
+    targets = np.asarray(inputs["targets"], dtype=np.int64)
+    if tokens.size % batch_size:
+        raise AdapterError(adapter, "the batch does not split into the model's batch size",
+                           key="tokens", expected=f"a multiple of {batch_size} tokens",
+                           got=f"{tokens.size} tokens")
+    bad = tokens[(tokens < 0) | (tokens >= vocab)]
+    if bad.size:
+        raise AdapterError(adapter, "token ids outside the model's vocabulary", key="tokens",
+                           expected=f"ids in [0, {vocab})", got=f"{bad[:8].tolist()}")
+    return tokens.reshape(batch_size, -1).copy(), targets.reshape(batch_size, -1).copy()
+
+
 @dataclass(frozen=True)
 class Returned:
     """What an adapter returned, validated: dE always; loss, dW, db for kinds that return them."""

@@ -8,17 +8,20 @@ matrix only ever read these records, so a kind is its folder and its table line.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
 from tyingspec._src.core.adapters import signature_problem
-from tyingspec._src.core.cases import Case, standard_cases
+from tyingspec._src.core.cases import Case, kernel_paths, standard_cases
+from tyingspec._src.core.paths import Paths
 
 if TYPE_CHECKING:
     from tyingspec._src.core.adapters import Returned
     from tyingspec._src.core.cases import Batch
-    from tyingspec._src.core.paths import Paths
 
 #: a kind's name, as ``--kind`` spells it (the table's keys are the known ones)
 Kind = str
@@ -106,3 +109,35 @@ class KindSpec:
         if self.signature is not None:
             return self.signature(fn)
         return signature_problem(fn, self.positional, self.keywords)
+
+
+def seeded_inputs(batch: Batch) -> Inputs:
+    """The inputs of a kind whose target builds its own model (torch, jax, distributed): the
+    tokens, the targets, and a seed drawn from the tokens, so a replay of the case rebuilds the
+    same initialisation (and the forward check's directions)."""
+    seed = zlib.crc32(np.ascontiguousarray(batch.tokens, dtype=np.int64).tobytes())
+    return {"tokens": batch.tokens, "targets": batch.targets, "seed": seed}
+
+
+def observed_reference(kind: str, inputs: Inputs, returned: Returned | None) -> Paths:
+    """The reference of a model whose uses of the tie were observed in its call (its
+    ``evidence``: the tie's shape, and ``dx``, ``h``, ``g`` at the uses, or the split its
+    backward made when a use could not be observed)."""
+    if returned is None:
+        raise ValueError(f"a {kind} model's reference is observed in its call: pass the "
+                         "call's result")
+    ev = returned.evidence
+    V, d = int(ev["tie"]["vocab"]), int(ev["tie"]["width"])
+    loss = 0.0 if returned.loss is None else returned.loss
+    if ev.get("observed_by") == "uses":
+        paths = kernel_paths(ev["tokens"], ev["dx"], ev["h"], ev["g"], V, "float64")
+        return replace(paths, loss=loss, padding_idx=ev["tie"].get("padding_idx"),
+                       pad_input=ev.get("pad_input"))
+    # A use could not be observed: the rows are the model's own, split as its backward split
+    # them, and the verdict is the forward's (a finding).  The batch's tokens are still the
+    # rows its lookups read: power is judged on them, so a correct model whose uses cannot be
+    # observed can pass on the forward check's word.
+    own = np.asarray(returned.dE, dtype=np.float64)
+    tokens = np.asarray(inputs["tokens"], dtype=np.int64).reshape(-1)
+    return Paths(loss=loss, dE_in=ev["dE_in"], dE_out=own - ev["dE_in"], dW=np.zeros((0, 0)),
+                 db=None, per_position=np.zeros((tokens.size, d)), tokens=tokens)

@@ -8,7 +8,6 @@ Nothing here imports torch: the call does, in the process that runs the ranks.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,15 +15,9 @@ import numpy as np
 
 from tyingspec._src.core.adapters import Returned
 from tyingspec._src.core.cases import Batch
-from tyingspec._src.core.kind import Implementation, Inputs, KindSpec, zoo
+from tyingspec._src.core.kind import Implementation, Inputs, KindSpec, seeded_inputs, zoo
 from tyingspec._src.core.paths import Paths
 from tyingspec._src.core.tolerance import Terms
-
-
-def _inputs(batch: Batch) -> Inputs:
-    # every rank's initialisation is drawn from the tokens: a replay rebuilds it
-    seed = zlib.crc32(np.ascontiguousarray(batch.tokens, dtype=np.int64).tobytes())
-    return {"tokens": batch.tokens, "targets": batch.targets, "seed": seed}
 
 
 def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
@@ -67,7 +60,7 @@ SPEC = KindSpec(
     contract="a tyingspec.DistributedTarget(reference, embedding, setup, step, layouts): "
              "setup(world) -> (state, copy of E or None) and step(world, state, tokens, "
              "targets) run on every rank; reference() -> the single-process nn.Module",
-    positional=(), keywords=(), inputs=_inputs, invoke=_invoke,
+    positional=(), keywords=(), inputs=seeded_inputs, invoke=_invoke,
     reference=_reference, second_call="none",
     properties=("distributed_copies_equal_at_start", "distributed_gradient_after_sync",
                 "distributed_copies_equal_after_step"),

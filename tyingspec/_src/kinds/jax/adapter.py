@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tyingspec._src.core.adapters import AdapterError, Returned
+from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
 from tyingspec._src.core.diagnosis import Label
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
 from tyingspec._src.core.tolerance import precision_of
@@ -59,19 +59,8 @@ def call_jax(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     if inputs.get("mode") == "describe":
         return Returned(np.zeros((0, 0)), (), own_precision, evidence={"tie": asdict(tie)},
                         findings=(found,))
-    B = tie.batch_size
-    tokens = np.asarray(inputs["tokens"], dtype=np.int64)
-    targets = np.asarray(inputs["targets"], dtype=np.int64)
-    if tokens.size % B:
-        raise AdapterError(spec, "the batch does not split into the model's batch size",
-                           key="tokens", expected=f"a multiple of {B} tokens",
-                           got=f"{tokens.size} tokens")
-    bad = tokens[(tokens < 0) | (tokens >= tie.vocab)]
-    if bad.size:
-        raise AdapterError(spec, "token ids outside the model's vocabulary", key="tokens",
-                           expected=f"ids in [0, {tie.vocab})", got=f"{bad[:8].tolist()}")
-    t = jnp.asarray(tokens.reshape(B, -1))
-    y = jnp.asarray(targets.reshape(B, -1))
+    tokens, targets = model_batch(spec, inputs, tie.batch_size, tie.vocab)
+    t, y = jnp.asarray(tokens), jnp.asarray(targets)
     tie, found, tr = discover(spec, form, t, y)
     checks = tuple(inputs.get("checks", CHECKS))
     findings: list[Finding] = [found]

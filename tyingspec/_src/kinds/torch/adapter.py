@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tyingspec._src.core.adapters import AdapterError, Returned
+from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
 from tyingspec._src.core.diagnosis import Label
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
 from tyingspec._src.core.tolerance import Precision, precision_of
@@ -82,19 +82,8 @@ def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     if inputs.get("mode") == "describe":
         return Returned(np.zeros((0, 0)), (), build.precision, evidence={"tie": asdict(tie)},
                         findings=(found,))
-    B = tie.batch_size
-    tokens = np.asarray(inputs["tokens"], dtype=np.int64)
-    targets = np.asarray(inputs["targets"], dtype=np.int64)
-    if tokens.size % B:
-        raise AdapterError(spec, "the batch does not split into the model's batch size",
-                           key="tokens", expected=f"a multiple of {B} tokens",
-                           got=f"{tokens.size} tokens")
-    bad = tokens[(tokens < 0) | (tokens >= tie.vocab)]
-    if bad.size:
-        raise AdapterError(spec, "token ids outside the model's vocabulary", key="tokens",
-                           expected=f"ids in [0, {tie.vocab})", got=f"{bad[:8].tolist()}")
-    t = torch.from_numpy(tokens.reshape(B, -1).copy())
-    y = torch.from_numpy(targets.reshape(B, -1).copy())
+    tokens, targets = model_batch(spec, inputs, tie.batch_size, tie.vocab)
+    t, y = torch.from_numpy(tokens), torch.from_numpy(targets)
     loss_of = _scalar(spec, loss_function(target, tie), seed, target.after_backward)
     checks = tuple(inputs.get("checks", CHECKS))
     findings: list[Finding] = [found]
