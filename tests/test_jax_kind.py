@@ -110,8 +110,11 @@ def _describe(spec: str, obj: object) -> dict[str, object]:
     ("loss_fn", "target", "function", "embed"),
 ])
 def test_the_tie_is_discovered_in_each_target_form(module: str, attr: str, form: str,
-                                                   table: str) -> None:
+                                                   table: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT))  # examples/ is the checkout's, not installed
 
     obj = getattr(importlib.import_module(f"examples.jax.{module}"), attr)
     tie = _describe(f"examples.jax.{module}:{attr}", obj)
@@ -120,8 +123,11 @@ def test_the_tie_is_discovered_in_each_target_form(module: str, attr: str, form:
     assert (tie["vocab"], tie["width"]) == (37, 8)
 
 
-def test_an_undeclared_pure_function_tie_is_found_by_its_uses() -> None:
+def test_an_undeclared_pure_function_tie_is_found_by_its_uses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace
+
+    monkeypatch.syspath_prepend(str(ROOT))  # examples/ is the checkout's, not installed
 
     from examples.jax.loss_fn import target
 
@@ -224,7 +230,10 @@ def test_a_bfloat16_model_is_judged_at_bfloat16_and_a_bug_still_shows() -> None:
     ("examples.jax.nnx_model:make_model", 0, None),
     ("function-custom-vjp-set", 1, "duplicates_not_accumulated")])
 def test_the_plugin_runs_the_jax_properties(scratch: Scratch, adapter: str, code: int,
-                                            label: str | None) -> None:
+                                            label: str | None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # the worker takes this process's sys.path: examples/ is the checkout's, not installed
+    monkeypatch.syspath_prepend(str(ROOT))
     run = scratch.runpytest(f"--tyingspec-adapter={adapter}", "--tyingspec-kind=jax",
                             "--tyingspec-max-examples=3")
     out = run.stdout.str()
