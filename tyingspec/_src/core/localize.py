@@ -85,11 +85,13 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["BudgetExceeded", "Localization", "LossAlong", "NonFiniteLoss", "localize"]
+__all__ = ["BudgetExceeded", "Localization", "LossAlong", "NonFiniteLoss", "fails_without",
+           "localize"]
 
 #: ``loss_along(rows, D, t)`` = ``L(E + t * D_full)``, ``D_full`` zero outside ``rows``.
 LossAlong = Callable[[NDArray[np.intp], NDArray[np.float64], float], float]
@@ -334,6 +336,25 @@ def localize(loss_along: LossAlong, grad: NDArray[np.floating], *, seed: int,
         _search(tester, todo, FIRST_STEP * e_scale)
     return Localization(wrong_rows=tuple(sorted(tester.found)), evaluations=tester.evaluations,
                         probes=tester.probes, seed=seed, worst=tester.worst)
+
+
+def fails_without(loss_along: LossAlong, grad: NDArray[np.floating],
+                  part: NDArray[np.floating] | None, *, seed: int,
+                  **options: Any) -> bool:
+    """Whether :func:`localize` rejects ``grad - part``: the power of a pass on ``grad``.
+
+    A pass against the forward is evidence only when the same check, with the same budget,
+    fails the gradient without one of its paths (``part``, the input path).  A miss here is no
+    power, never a failure; running out of budget counts as a rejection (rows disagreed).
+    ``options`` are :func:`localize`'s; the probe draws from ``seed + 1``."""
+    if part is None or not np.any(part):
+        return False
+    try:
+        probe = localize(loss_along, np.asarray(grad, np.float64) - part, seed=seed + 1,
+                         **options)
+    except BudgetExceeded:
+        return True
+    return bool(probe.wrong_rows) or probe.worst > 1
 
 
 def _search(tester: _Tester, todo: NDArray[np.intp], step: float) -> None:

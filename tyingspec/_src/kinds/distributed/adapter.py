@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tyingspec._src.core.adapters import AdapterError, Returned
+from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
 from tyingspec._src.core.findings import Finding
 from tyingspec._src.core.tolerance import least_precise, row_tolerance
 from tyingspec._src.kinds.distributed import judge
@@ -81,17 +81,7 @@ def call_distributed(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     if inputs.get("mode") == "describe":
         return Returned(np.zeros((0, 0)), (), "float64", evidence={"tie": tie})
     B = int(target.batch_size)
-    tokens = np.asarray(inputs["tokens"], dtype=np.int64).reshape(-1)
-    targets = np.asarray(inputs["targets"], dtype=np.int64).reshape(-1)
-    if tokens.size % B:
-        raise AdapterError(spec, "the batch does not split into the target's batch size",
-                           key="tokens", expected=f"a multiple of {B} tokens",
-                           got=f"{tokens.size} tokens")
-    bad = tokens[(tokens < 0) | (tokens >= V)]
-    if bad.size:
-        raise AdapterError(spec, "token ids outside the model's vocabulary", key="tokens",
-                           expected=f"ids in [0, {V})", got=f"{bad[:8].tolist()}")
-    t2, y2 = tokens.reshape(B, -1), targets.reshape(B, -1)
+    t2, y2 = model_batch(spec, inputs, B, V)
     deadline = started + 0.9 * call_budget()
     verdicts: dict[str, list[tuple[str, judge.Verdict]]] = {c: [] for c in judge.CHECKS}
     shown: np.ndarray | None = None
@@ -124,7 +114,7 @@ def call_distributed(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
         verdicts[judge.CHECK_START].append((where, start))
         grads = {r: np.zeros((V, d)) if a["grad"] is None else a["grad"]
                  for r, a in copies.items()}
-        bound = judge.terms(parts, tokens.size)
+        bound = judge.terms(parts, t2.size)
         tol = row_tolerance(bound, least_precise(*dtypes))
         grad, first = judge.gradient_check(grads, parts, tol, pp, dp)
         no_grad = [r for r, a in copies.items() if not a["has_grad"]]

@@ -128,7 +128,7 @@ def _against_forward(form: Form, tie: Tie, t: Any, y: Any, own: np.ndarray, seed
                      input_path: np.ndarray) -> Finding:
     """``own`` against directional differences of the loss in float64 (the parameters cast,
     the forward compiled once); a pass is checked for power on ``own - input_path``."""
-    from tyingspec._src.core.localize import BudgetExceeded, localize
+    from tyingspec._src.core.localize import BudgetExceeded, fails_without, localize
 
     check = "gradient against the forward"
     params64 = cast(form.params, jnp.float64)
@@ -176,15 +176,9 @@ def _against_forward(form: Form, tie: Tie, t: Any, y: Any, own: np.ndarray, seed
                           f"a set of rows disagreed with the forward ({found.worst:.3g}x its "
                           f"tolerance) but no single row could be confirmed; {at}, "
                           f"{found.evaluations} forward evaluations", found.evaluations)
-        power = False
-        if np.any(input_path):
-            try:
-                probe = localize(loss_along, own - input_path, seed=seed + 1,
-                                 max_evaluations=budget, e_scale=e_scale, unit=unit,
-                                 grad_rtol=grad_rtol)
-                power = bool(probe.wrong_rows) or probe.worst > 1
-            except BudgetExceeded:
-                power = True
+        power = fails_without(loss_along, own, input_path, seed=seed,
+                              max_evaluations=budget, e_scale=e_scale, unit=unit,
+                              grad_rtol=grad_rtol)
         return passed(check, _AGAINST, f"{found.evaluations} forward evaluations, {at}"
                       + ("; it fails the gradient without its input path" if power else ""),
                       found.evaluations, power)

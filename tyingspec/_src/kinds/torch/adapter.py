@@ -541,7 +541,7 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
                  check: str, invariant: str) -> Finding:
     """``own`` against directional differences of ``m``'s loss, whose rounding is ``unit``
     (``dtype``: what ``own`` was computed in)."""
-    from tyingspec._src.core.localize import BudgetExceeded, localize
+    from tyingspec._src.core.localize import BudgetExceeded, fails_without, localize
 
     E = m.get_parameter(tie.embedding)
     e_scale = float(E.detach().double().std()) or 1.0
@@ -596,17 +596,9 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
                           f"a set of rows disagreed with the forward ({found.worst:.3g}x its "
                           f"tolerance) but no single row could be confirmed{why}; {at}, "
                           f"{found.evaluations} forward evaluations", found.evaluations)
-        power = False
-        if input_path is not None and np.any(input_path):
-            # the same check on the gradient without its input path must fail for this pass
-            # to count as evidence (a miss here is no power, never a failure)
-            try:
-                probe = localize(loss_along, own - input_path, seed=seed + 1, rows=rows,
-                                 max_evaluations=budget, e_scale=e_scale, unit=unit,
-                                 grad_rtol=grad_rtol)
-                power = bool(probe.wrong_rows) or probe.worst > 1
-            except BudgetExceeded:
-                power = True
+        power = fails_without(loss_along, own, input_path, seed=seed, rows=rows,
+                              max_evaluations=budget, e_scale=e_scale, unit=unit,
+                              grad_rtol=grad_rtol)
         return passed(check, invariant, f"{found.evaluations} forward evaluations, {at}"
                       + ("; it fails the gradient without its input path" if power else ""),
                       found.evaluations, power)
