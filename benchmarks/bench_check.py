@@ -112,6 +112,43 @@ def forward_backward(batch: Batch) -> Callable[[], object]:
                             res=batch.res, s_in=batch.s_in)
 
 
+def floor_parts(batch: Batch) -> dict[str, Callable[[], object]]:
+    """What a check of ``batch`` cannot skip beyond its first call, each timed on its own:
+
+    - (R) the reference's two products of V*d*N multiply-adds, ``logits = h @ E.T`` and
+      ``dh = g @ E``, as numpy float32 matmuls (what ``core.paths.forward_parts`` computes at
+      this size): a reference that trusts nothing the target returns must form the logits to
+      know ``g`` and ``dh`` to know ``dx``, the input path; ``dx`` is not linear in ``g @ E``
+      through a sketch, since ``du = dh * (1 - tanh(u)**2)`` weights each entry;
+    - (2) the check's second call: ``tied_f32`` at E after the check's SGD step, on the first
+      ``SECOND_CALL_POSITIONS`` positions (what catches a tie that is a copy; its O(V*d) work,
+      converting E and scoring every row, is the implementation's own);
+    - (D) drawing the batch (``tyingspec.build``: V*d normals for E), which (F) includes and
+      the in-process (a) does not."""
+    import numpy as np
+
+    from tyingspec._src.core.cases import sgd_step
+    from tyingspec._src.engine.observe import SECOND_CALL_POSITIONS
+
+    rng = np.random.default_rng(0)
+    E = np.asarray(batch.E, np.float32)
+    h = rng.standard_normal((batch.tokens.shape[0], E.shape[1]), dtype=np.float32)
+    dE = forward_backward(batch)()["dE"]  # type: ignore[index]
+    moved = sgd_step(batch, np.asarray(dE))
+    assert moved is not None
+    stepped = moved[0]
+    keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
+    short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
+    cases, _ = at_shape(standard_cases(0), E.shape[0], E.shape[1], batch.tokens.shape[0])
+    case = replace(next(c for c in cases if c.name == "absent-tokens"), dtype="float32")
+
+    def products() -> object:
+        logits = h @ E.T
+        return logits @ E
+
+    return {"R": products, "2": forward_backward(short), "D": lambda: build(case)}
+
+
 def floor_call(shape: tuple[int, int, int]) -> None:
     """(F), run in a fresh process: draw the check's batch and call the target once."""
     fb = forward_backward(absent_tokens_batch(shape, 0))  # the check's own seed
@@ -163,9 +200,13 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     s: list[float] = []
     imp: list[float] = []
     fl: list[float] = []
+    parts = floor_parts(batch)
+    part: dict[str, list[float]] = {k: [] for k in parts}
     last: dict[str, Run] = {}
     for _ in range(repeats):
         a.append(timed(fb))
+        for k, f in parts.items():
+            part[k].append(timed(f))
         for name, out in (("tied_f32", b), (BROKEN_TIMED, c)):
             r = run_cli(check_argv(name, shape, "absent-tokens", "float32", tmp / "t.json"),
                         tmp / "t.json")
@@ -204,6 +245,22 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     print(f"median(b) - median(F)             = {mb - mf:.2f} s  "
           f"({(mb - mf) / ma:.2f}x one forward+backward: the reference, judgement and "
           "second call)")
+    print_floor(part, ma, {"(b) - (F), what the check adds": mb - mf})
+
+
+def print_floor(part: dict[str, list[float]], ma: float, against: dict[str, float]) -> None:
+    """The parts of :func:`floor_parts`, their sum as a multiple of one forward+backward
+    (``ma``), and each figure of ``against`` beside that floor."""
+    names = {"R": "the reference's two V*d*N products (numpy float32)",
+             "2": "the second call (after the SGD step, first positions)",
+             "D": "drawing the batch (tyingspec.build)"}
+    for k, xs in part.items():
+        print(f"({k}) {names[k]}\n    {spread(xs)}  ({statistics.median(xs) / ma:.2f}x)")
+    added = statistics.median(part["R"]) + statistics.median(part["2"])
+    print(f"floor of what a check adds beyond its first call, (R) + (2) = {added:.2f} s "
+          f"({added / ma:.2f}x one forward+backward; (D) is in (F) already)")
+    for what, x in against.items():
+        print(f"{what}: {x:.2f} s ({x / ma:.2f}x), {x - added:+.2f} s beside that floor")
 
 
 def torch_version() -> str:

@@ -24,7 +24,6 @@ One observation:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
@@ -104,9 +103,10 @@ class _Prepared:
 
 #: Kinds whose reference is a function of the inputs and the precision alone (a torch model's
 #: is observed in its call): with a declared precision, the first call's is built while the
-#: worker loads, and any later call's while the worker runs that call (on two cores numpy's and
-#: torch's thread pools slow each other down, so this saves less than the reference's time:
-#: 0.6 s of its 2.3 s a case at GPT-2 size, measured with a warm worker).
+#: worker loads (an import leaves a core idle).  A later call's reference is built after the
+#: call, not beside it: both are matrix products on both cores, and overlapped they slowed each
+#: other down more than they saved (a warm case at GPT-2 size on a quiet 2-core machine: 5.7 s
+#: overlapped, 5.3 s in sequence, the median of 3 interleaved rounds).
 _REFERENCE_FIRST = ("model", "kernel")
 
 
@@ -223,33 +223,10 @@ def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
     precision."""
     if inputs is None:
         inputs = target.table.inputs(batch)
-    if paths is None and _overlaps(target):
-        # the worker computes the call while this process computes its reference: a warm
-        # worker has no import to hide the reference behind (measured at GPT-2 size, with the
-        # worker loaded: 8.9 s a case in sequence, 8.2 s overlapped)
-        assert target.worker is not None
-        target.worker.submit(inputs)
-        try:
-            paths = target.table.reference(batch, inputs, target.precision, None)
-        except BaseException:
-            with contextlib.suppress(AdapterError):
-                target.worker.collect()  # the call in flight is answered before anything else
-            raise
-        returned: Returned = target.worker.collect()
-    else:
-        returned = _invoke(target, inputs)
+    returned = _invoke(target, inputs)
     precision = precision_for(target, returned)
     returned, paths = _judged(target, batch, inputs, precision, returned, paths)
     return inputs, returned, paths, precision
-
-
-def _overlaps(target: Target) -> bool:
-    """Whether a call's reference can be built while the worker runs the call: a declared
-    precision (the reference does not wait for the returned dtype) of a kind whose reference
-    needs only the inputs."""
-    return (target.worker is not None and target.precision != "auto"
-            and target.kind in _REFERENCE_FIRST and target.table.complete is None
-            and not target.table.takes_precision)
 
 
 def _judged(target: Target, batch: Batch, inputs: dict[str, Any], precision: Precision,
