@@ -24,6 +24,7 @@ if str(REPO) not in sys.path:
 
 import tyingspec._src.engine.isolation as iso  # noqa: E402
 import tyingspec._src.engine.observe as ob  # noqa: E402
+from benchmarks.bench_check_timeline import wrapped  # noqa: E402
 from tyingspec import check, standard_cases  # noqa: E402
 from tyingspec._src.core.cases import at_shape  # noqa: E402
 
@@ -32,13 +33,7 @@ SPENT: dict[str, float] = collections.defaultdict(float)
 
 
 def timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*a: Any, **k: Any) -> Any:
-        s = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            SPENT[label] += time.perf_counter() - s
-    return wrapper
+    return wrapped(label, f, lambda s, dt, name: SPENT.__setitem__(name, SPENT[name] + dt))
 
 
 def main() -> int:

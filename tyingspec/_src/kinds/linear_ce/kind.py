@@ -10,6 +10,7 @@ kernel's own outputs are judged one by one first: which known bug (a :data:`VARI
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -144,7 +145,7 @@ def complete(batch: Batch, inp: dict[str, Any], precision: str,
     dt = working_dtype(V * d * N, precision)
     h = np.asarray(inp["h"])
     args = (h, batch.E, batch.targets, batch.b, opts, batch.grad_output)
-    ref = _reference(args, dt)
+    ref = _reference_of(batch, inp, args, dt)
     # the rows of E the batch reads, in dt: what a whole E.astype(dt) would give them, without
     # a [V, d] copy (2.1 GB at Llama-3's head)
     _, t = body(replace(batch, E=batch.E[batch.tokens].astype(dt),
@@ -178,15 +179,43 @@ def complete(batch: Batch, inp: dict[str, Any], precision: str,
         ev = dict(ev, loss=np.zeros_like(np.asarray(ev["loss"], np.float64)),
                   nonfinite=[])
     findings = _kernel_findings(args, dt, ref, ev, returned, precision, k, zmag)
-    # dE + scatter_rows(tokens, rows_ker, V) as one float64 [V, d] (not three): the touched
-    # rows' sums added in place
-    total = np.array(returned.dE, dtype=np.float64)
+    # dE + scatter_rows(tokens, rows_ker, V) as one [V, d] (not three): the touched rows' sums
+    # added in place.  Judged at float32 or below it is float32, not float64 (4.2 GB at
+    # Llama-3's head): the touched rows take one more float32 rounding of their sum, far inside
+    # a bound whose terms are at least the row's magnitude times N + d units
+    total = np.array(returned.dE, dtype=np.float64 if precision == "float64" else
+                     np.result_type(returned.dE.dtype, np.float32))
     touched, sums = segment_sums(tokens, rows_ker)
     total[touched] += sums
     # inf/NaN is the finding's verdict (not_finite); the rows compare as zeros there
     total = np.nan_to_num(total, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
     return replace(returned, dE=total, loss=_scalar(loss, batch.grad_output),
                    findings=tuple(findings)), paths
+
+
+#: The last reference :func:`complete` built: the batch it was for (weakly), the inputs dict
+#: (the very object), the dtype, the reference.  The kind's second call repeats the first on
+#: the same batch and inputs, and its reference is the same arrays (at Llama-3's head a second
+#: one is another 2.1 GB dE and 0.5 GB dz beside the first's).  It goes when its batch goes.
+_last: list[tuple[weakref.ref[Batch], dict[str, Any], str, CEResult]] = []
+
+
+def _reference_of(batch: Batch, inp: dict[str, Any], args: tuple[Any, ...],
+                  dt: str) -> CEResult:
+    """:func:`_reference` of ``args``, reused for a repeat call on the same inputs."""
+    if _last:
+        was, was_inp, was_dt, ref = _last[0]
+        if was() is batch and was_inp is inp and was_dt == dt:
+            return ref
+    _last.clear()  # let the previous one go before the next is built
+    ref = _reference(args, dt)
+
+    def gone(w: weakref.ref[Batch]) -> None:
+        if _last and _last[0][0] is w:
+            _last.clear()
+
+    _last.append((weakref.ref(batch, gone), inp, dt, ref))
+    return ref
 
 
 def _abs_row_sum_max(E: Array) -> float:

@@ -1,0 +1,94 @@
+"""Where one cold `tyingspec check` goes at GPT-2 size: a timeline of the engine's phases.
+
+    python -m benchmarks.bench_check_timeline
+    python -m benchmarks.bench_check_timeline --V 2000 --d 64 --N 256
+
+Runs the command ``bench_check`` times as (b), ``tyingspec check benchmarks.torch_probe:tied_f32
+--precision float32 --shape V,d,N --case absent-tokens --shrink-budget 0``, in this process
+(``front.cli.main``, the console script's own entry point), with each phase of the engine and
+of the worker's protocol wrapped in a timer, and prints every phase as (start, seconds, name),
+the start counted from this script's first line.  The phases: the worker's launch, the batch
+and reference built while the worker imports the target (``_prepare``), waiting for the import
+(``w.wait_loaded``), each call (``w.submit`` sends the inputs, ``w.collect`` waits for the
+answer), judging, the SGD step and the second call's reference.  One run: read it beside
+``bench_check``'s (F) and ``floor_parts``.
+"""
+
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import tyingspec._src.engine.isolation as iso  # noqa: E402
+import tyingspec._src.engine.observe as ob  # noqa: E402
+from tyingspec._src.front import cli  # noqa: E402
+
+EVENTS: list[tuple[float, float, str]] = []
+
+
+Record = Callable[[float, float, str], None]  # (started, seconds, label)
+
+
+def wrapped(label: str, f: Callable[..., Any], record: Record) -> Callable[..., Any]:
+    """``f``, each call of it passed to ``record`` with its start time and duration."""
+    def wrapper(*a: Any, **k: Any) -> Any:
+        s = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            record(s, time.perf_counter() - s, label)
+    return wrapper
+
+
+def timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    return wrapped(label, f, lambda s, dt, name: EVENTS.append((s - T0, dt, name)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--V", type=int, default=50257)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--N", type=int, default=1024)
+    a = ap.parse_args(argv)
+    for name in ("batch_for", "judge", "sgd_step", "_prepare", "first_call"):
+        setattr(ob, name, timed(name, getattr(ob, name)))
+    for name in ("launch", "wait_loaded", "submit", "collect"):
+        setattr(iso.Worker, name, timed(f"w.{name}", getattr(iso.Worker, name)))
+    table = ob.KINDS["model"]
+    object.__setattr__(table, "reference", timed("reference", table.reference))
+    started = time.perf_counter() - T0
+    argv_ = ["check", "benchmarks.torch_probe:tied_f32", "--precision", "float32",
+             "--shape", f"{a.V},{a.d},{a.N}", "--case", "absent-tokens", "--shrink-budget",
+             "0", "--json", os.devnull]
+    report = io.StringIO()  # the command's own report is not what this script prints
+    with contextlib.redirect_stdout(report):
+        try:
+            code = cli.main(argv_)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    end = time.perf_counter() - T0
+    print(f"== one cold check at V={a.V} d={a.d} N={a.N}, float32 (exit {code}): imports "
+          f"{started:.2f} s, the command {end - started:.2f} s, {end:.2f} s in all")
+    print(report.getvalue().strip().splitlines()[-1])  # the verdict line
+    print(f"{'start':>7} {'seconds':>8}  phase")
+    for s, dt, label in sorted(EVENTS):
+        print(f"{s:7.2f} {dt:8.2f}  {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
