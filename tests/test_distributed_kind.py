@@ -78,6 +78,18 @@ def test_each_other_builtin_reaches_its_label(name: str) -> None:
     _assert_expected(name)
 
 
+def test_a_check_leaves_the_processs_torch_as_it_found_it() -> None:
+    """A built-in runs in the checking process: its default dtype, thread count and global
+    RNG are the user's, and come back as they were."""
+    import torch
+
+    before = (torch.get_default_dtype(), torch.get_num_threads(),
+              torch.random.get_rng_state().clone())
+    _observed("gpt-pp2")
+    assert torch.get_default_dtype() == before[0] and torch.get_num_threads() == before[1]
+    assert torch.equal(torch.random.get_rng_state(), before[2])
+
+
 def test_the_details_say_which_rank_lacks_which_path() -> None:
     grad = next(f for f in _failed(_observed("gpt-pp2-not-synced"))
                 if f.check == "gradient after the sync")

@@ -283,3 +283,18 @@ def test_the_mutants_command_takes_the_jax_kind(tmp_path: Path,
     (row,) = data["mutants"]
     assert (row["name"], row["kind"], row["ok"]) == ("function-custom-vjp-set", "jax", True)
     assert [s["name"] for s in data["styles"]] == ["function-tied"]
+
+
+def test_a_check_leaves_jax_float64_switch_as_it_found_it() -> None:
+    """A call switches on JAX's float64 for itself; in the checking process (a built-in) the
+    switch is the user's, and comes back as it was."""
+    import jax
+
+    was = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", False)
+    try:
+        target = load("function-tied", "jax")
+        assert observe(target, own_case(target, ONE_CASE[0])).label == "correct"
+        assert jax.config.jax_enable_x64 is False
+    finally:
+        jax.config.update("jax_enable_x64", was)

@@ -232,3 +232,20 @@ def test_a_builtin_name_runs_in_its_own_kind_without_kind(
     assert "--kind torch" in out and "tie_is_a_copy" in out
     assert main(["check", "ce-scale-dropped", "--case", "ce-logit-scale"]) == 1
     assert "logit_scale_dropped" in capsys.readouterr().out
+
+
+def test_a_check_leaves_the_processs_torch_as_it_found_it() -> None:
+    """A built-in runs in the checking process: the thread count and the global RNG it sets for
+    its call (one thread, seeded weights) are the user's, and come back as they were."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # not the one thread a call sets for itself
+    try:
+        rng = torch.random.get_rng_state().clone()
+        target = load("nanogpt", "torch")
+        assert observe(target, own_case(target, standard_cases(0)[1])).label == "correct"
+        assert torch.get_num_threads() == 2
+        assert torch.equal(torch.random.get_rng_state(), rng)
+    finally:
+        torch.set_num_threads(threads)

@@ -19,6 +19,7 @@ import torch
 
 from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
 from tyingspec._src.core.findings import Finding
+from tyingspec._src.core.process_state import torch_state_kept
 from tyingspec._src.core.tolerance import least_precise, row_tolerance
 from tyingspec._src.kinds.distributed import judge
 from tyingspec._src.kinds.distributed.launch import call_budget, run_case
@@ -67,7 +68,13 @@ def _layouts(spec: str, target: DistributedTarget) -> list[tuple[int, int]]:
 
 
 def call_distributed(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
-    """Describe the target (``inputs["mode"] == "describe"``) or observe it on a batch."""
+    """Describe the target (``inputs["mode"] == "describe"``) or observe it on a batch; the
+    process's torch state is as it was afterwards."""
+    with torch_state_kept():
+        return _call(spec, fn, inputs)
+
+
+def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     started = time.monotonic()
     torch.set_num_threads(1)
     target = as_target(spec, fn)

@@ -23,6 +23,7 @@ import numpy as np
 from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
 from tyingspec._src.core.diagnosis import Label
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
+from tyingspec._src.core.process_state import jax_state_kept
 from tyingspec._src.core.tolerance import precision_of
 from tyingspec._src.kinds.jax import split
 from tyingspec._src.kinds.jax.discover import (
@@ -48,7 +49,13 @@ def _x64() -> None:
 
 
 def call_jax(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
-    """Describe the model (``inputs["mode"] == "describe"``) or observe it on a batch."""
+    """Describe the model (``inputs["mode"] == "describe"``) or observe it on a batch; JAX's
+    float64 switch is as it was afterwards (see :mod:`core.process_state`)."""
+    with jax_state_kept():
+        return _call(spec, fn, inputs)
+
+
+def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     _x64()
     target = as_target(spec, fn)
     precision = str(inputs.get("precision", "auto"))

@@ -37,6 +37,7 @@ from torch import nn
 from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
 from tyingspec._src.core.diagnosis import Label
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
+from tyingspec._src.core.process_state import torch_state_kept
 from tyingspec._src.core.tolerance import Precision, precision_of
 from tyingspec._src.kinds.torch.discover import (
     Tie,
@@ -70,7 +71,13 @@ def _numpy(t: torch.Tensor | None, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
-    """Describe the model (``inputs["mode"] == "describe"``) or observe it on a batch."""
+    """Describe the model (``inputs["mode"] == "describe"``) or observe it on a batch; the
+    process's torch state is as it was afterwards (see :mod:`core.process_state`)."""
+    with torch_state_kept():
+        return _call(spec, fn, inputs)
+
+
+def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     # the models a check builds are small: one thread avoids the cost of waking a pool per
     # operation (seen: 3 s against 0.05 s per call on a busy 2-core machine)
     torch.set_num_threads(1)
