@@ -158,3 +158,30 @@ def test_bugs_that_only_show_after_a_step_are_caught_on_the_second_call(
     code, out = _run(capsys, "check", name, "--case", "absent-tokens")
     assert code == 1
     assert "diagnosis (after one SGD step of E with the returned dE)" in out
+
+
+def test_a_json_report_into_a_fifo_writes_into_it_and_leaves_it_a_fifo(tmp_path: Path) -> None:
+    """``--json /dev/null`` (or a pipe): a device or FIFO is written into, never renamed over
+    (that once turned /dev/null into a regular file for the whole machine).  A FIFO here, not
+    /dev/null itself: a regression must not break the machine it runs on."""
+    import os
+    import stat
+    import threading
+
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text(encoding="utf-8")))
+    reader.start()
+    try:
+        code = main(["check", "--json", str(fifo)])
+    finally:
+        if reader.is_alive():  # nothing opened it for writing: let the reader go
+            with open(fifo, "w", encoding="utf-8"):
+                pass
+        reader.join(timeout=30)
+    assert code == 0  # the built-in demo: every variant as expected
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    report = json.loads(got[0])
+    assert report["exit_code"] == 0 and report["as_expected"] is True
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "report.fifo"]  # no temp left

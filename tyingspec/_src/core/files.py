@@ -4,7 +4,8 @@ user said.
 Paths are resolved once, at start (so an adapter's ``os.chdir`` cannot move them); a symlink is
 followed and its target replaced, never the link; an existing file keeps its mode; a write goes
 to a temporary file beside the target and is renamed over it, so an interrupted or failed write
-(a full disk) leaves the previous file whole.  Standard library only: the pytest plugin imports
+(a full disk) leaves the previous file whole; a device or FIFO (``--json /dev/null``) is
+written into, never replaced.  Standard library only: the pytest plugin imports
 this in its controller.
 """
 
@@ -81,9 +82,24 @@ def _write_temp(target: str, text: str) -> str:
     return tmp
 
 
+def _special(target: str) -> bool:
+    """Whether ``target`` exists and is not a regular file: a device (``/dev/null``,
+    ``/dev/stdout``) or a FIFO, which is written into, never replaced (renamed over, /dev/null
+    became a regular file, for every program on the machine)."""
+    try:
+        return not stat.S_ISREG(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def atomic_write(path: str, text: str) -> None:
-    """Replace the file at ``path`` (a symlink's target) with ``text`` atomically."""
+    """Replace the file at ``path`` (a symlink's target) with ``text`` atomically; a device or a
+    FIFO there is written into instead."""
     target = absolute(path)
+    if _special(target):
+        with open(target, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
     tmp = _write_temp(target, text)
     try:
         os.replace(tmp, target)
