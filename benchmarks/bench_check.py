@@ -139,14 +139,14 @@ def floor_parts(batch: Batch) -> dict[str, Callable[[], object]]:
     stepped = moved[0]
     keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
     short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
-    cases, _ = at_shape(standard_cases(0), E.shape[0], E.shape[1], batch.tokens.shape[0])
-    case = replace(next(c for c in cases if c.name == "absent-tokens"), dtype="float32")
+    shape = (E.shape[0], E.shape[1], batch.tokens.shape[0])
 
     def products() -> object:
         logits = h @ E.T
         return logits @ E
 
-    return {"R": products, "2": forward_backward(short), "D": lambda: build(case)}
+    return {"R": products, "2": forward_backward(short),
+            "D": lambda: absent_tokens_batch(shape, 0)}
 
 
 def floor_call(shape: tuple[int, int, int]) -> None:

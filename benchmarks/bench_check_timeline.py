@@ -58,6 +58,19 @@ def timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped(label, f, lambda s, dt, name: EVENTS.append((s - T0, dt, name)))
 
 
+def quiet_command(argv: Sequence[str]) -> tuple[int, str]:
+    """``tyingspec ARGV`` in this process (``front.cli.main``): its exit code and the last
+    line of its report, which is not printed."""
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    lines = report.getvalue().strip().splitlines()
+    return code, lines[-1] if lines else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--V", type=int, default=50257)
@@ -74,16 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv_ = ["check", "benchmarks.torch_probe:tied_f32", "--precision", "float32",
              "--shape", f"{a.V},{a.d},{a.N}", "--case", "absent-tokens", "--shrink-budget",
              "0", "--json", os.devnull]
-    report = io.StringIO()  # the command's own report is not what this script prints
-    with contextlib.redirect_stdout(report):
-        try:
-            code = cli.main(argv_)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+    code, verdict = quiet_command(argv_)
     end = time.perf_counter() - T0
     print(f"== one cold check at V={a.V} d={a.d} N={a.N}, float32 (exit {code}): imports "
           f"{started:.2f} s, the command {end - started:.2f} s, {end:.2f} s in all")
-    print(report.getvalue().strip().splitlines()[-1])  # the verdict line
+    print(verdict)
     print(f"{'start':>7} {'seconds':>8}  phase")
     for s, dt, label in sorted(EVENTS):
         print(f"{s:7.2f} {dt:8.2f}  {label}")

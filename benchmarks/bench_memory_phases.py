@@ -16,8 +16,6 @@ peak at the same shape.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import sys
 import threading
@@ -32,7 +30,7 @@ if str(REPO) not in sys.path:
 
 import tyingspec._src.engine.observe as ob  # noqa: E402
 import tyingspec._src.kinds.linear_ce.kind as kind  # noqa: E402
-from tyingspec._src.front import cli  # noqa: E402
+from benchmarks.bench_check_timeline import quiet_command  # noqa: E402
 
 STACK: list[str] = []
 
@@ -75,18 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            cli.main(["check", "ce-torch", "--kind", "linear-ce", "--shape",
-                      f"{a.V},{a.d},{a.N}", "--precision", "float32", "--case", "ce-plain",
-                      "--shrink-budget", "0", "--json", os.devnull])
-        except SystemExit:
-            pass
+    _, verdict = quiet_command(["check", "ce-torch", "--kind", "linear-ce", "--shape",
+                                f"{a.V},{a.d},{a.N}", "--precision", "float32", "--case",
+                                "ce-plain", "--shrink-budget", "0", "--json", os.devnull])
     done.set()
     thread.join()
     print(f"== linear-ce check of ce-torch at V={a.V} d={a.d} N={a.N}, float32: "
-          f"E is {a.V * a.d * 4 / 2**30:.2f} GiB; {out.getvalue().strip().splitlines()[-1]}")
+          f"E is {a.V * a.d * 4 / 2**30:.2f} GiB; {verdict}")
     for where, most in sorted(peak.items(), key=lambda kv: -kv[1]):
         print(f"{most / 2**30:7.2f} GiB  {where}")
     return 0
