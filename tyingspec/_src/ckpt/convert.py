@@ -27,6 +27,7 @@ from tyingspec._src.ckpt.read import POLICIES, Checkpoint, CkptError, first_line
 from tyingspec._src.core.files import (
     absolute,
     atomic_write,
+    is_stream,
 )
 
 if TYPE_CHECKING:
@@ -174,16 +175,6 @@ def _mode_for(target: str) -> int:
         return 0o666 & ~umask
 
 
-def _is_stream(path: str) -> bool:
-    """An existing path that is no regular file (``/dev/stdout``, a pipe, a device): written
-    in place as a stream, since a temporary file renamed over it would replace the device node
-    with a regular file."""
-    try:
-        return not stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
 def _write_reason(exc: Exception) -> str:
     """Why a write failed, in one line: the OS error behind it when there is one (safetensors
     reports ENOSPC as ``SafetensorError: ... I/O error: No space left on device (os error
@@ -258,7 +249,7 @@ def write(converted: Converted, path: str, fmt: str, tie: tuple[str, str] | None
     as a stream when OUT is a device or pipe.  A failed write is a :class:`CkptError`, and
     leaves the previous OUT whole and no temporary file."""
     target = absolute(path)
-    if _is_stream(path):  # as given: /dev/stdout resolves to /proc/PID/fd/pipe:[N]
+    if is_stream(path):  # as given: /dev/stdout resolves to /proc/PID/fd/pipe:[N]
         try:
             with open(path, "wb") as fh:
                 _serialise(converted, fmt, tie, fh, None)
@@ -293,13 +284,9 @@ def write(converted: Converted, path: str, fmt: str, tie: tuple[str, str] | None
 
 def write_text(option: str, path: str, text: str) -> None:
     """A JSON report or config: in place when ``path`` is a stream, else atomically."""
-    stream = _is_stream(path)
+    stream = is_stream(path)
     try:
-        if stream:
-            with open(path, "w", encoding="utf-8") as fh:
-                fh.write(text)
-        else:
-            atomic_write(path, text)
+        atomic_write(path, text)  # in place for a stream
     except OSError as exc:
         raise CkptError(f"{option} {path}: cannot be written ({exc.strerror or exc})"
                         + ("" if stream else "; the previous file, if any, is unchanged")

@@ -16,7 +16,7 @@ import stat
 import tempfile
 
 __all__ = ["OutputError", "absolute", "append_text", "atomic_write", "check_distinct",
-           "create_exclusive", "usable_output"]
+           "create_exclusive", "is_stream", "usable_output"]
 
 
 class OutputError(Exception):
@@ -82,24 +82,25 @@ def _write_temp(target: str, text: str) -> str:
     return tmp
 
 
-def _special(target: str) -> bool:
-    """Whether ``target`` exists and is not a regular file: a device (``/dev/null``,
-    ``/dev/stdout``) or a FIFO, which is written into, never replaced (renamed over, /dev/null
-    became a regular file, for every program on the machine)."""
+def is_stream(path: str) -> bool:
+    """An existing path that is no regular file (``/dev/null``, ``/dev/stdout``, a pipe, a
+    device): written in place as a stream, since a temporary file renamed over it would replace
+    the device node with a regular file, for every program on the machine.  Asked of the path
+    as given: ``/dev/stdout`` resolves to ``/proc/PID/fd/pipe:[N]``."""
     try:
-        return not stat.S_ISREG(os.stat(target).st_mode)
-    except FileNotFoundError:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
         return False
 
 
 def atomic_write(path: str, text: str) -> None:
     """Replace the file at ``path`` (a symlink's target) with ``text`` atomically; a device or a
     FIFO there is written into instead."""
-    target = absolute(path)
-    if _special(target):
-        with open(target, "w", encoding="utf-8") as fh:
+    if is_stream(path):
+        with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)
         return
+    target = absolute(path)
     tmp = _write_temp(target, text)
     try:
         os.replace(tmp, target)
