@@ -59,7 +59,7 @@ def test_the_repeat_call_reuses_the_first_calls_reference_and_lets_it_go(
     built: list[str] = []
     real = kind._reference
     monkeypatch.setattr(kind, "_reference",
-                        lambda args, dt: built.append(dt) or real(args, dt))
+                        lambda args, dt, *z: built.append(dt) or real(args, dt, *z))
     cases = [c for c in CASES if c.name == "ce-plain"]
     report = check_target("ce-numpy", "linear-ce", 0, cases, precision="float32")
     assert report.exit_code == 0 and len(report.results) == 1
@@ -69,6 +69,32 @@ def test_the_repeat_call_reuses_the_first_calls_reference_and_lets_it_go(
     # another check of the same case is another batch: its own reference
     report = check_target("ce-numpy", "linear-ce", 0, cases)
     assert report.exit_code == 0 and len(built) == 2
+
+
+def _verdicts(name: str) -> tuple[list[tuple[str, str, str | None, str]], int]:
+    report = check_target(name, "linear-ce", 0, CASES, shrink_budget=0)
+    rows = [(r.case.name, r.status, None if r.diagnosis is None else r.diagnosis.label,
+             r.stage) for r in report.results]
+    return rows, sum(r.diagnosis.rows_projected for r in report.results if r.diagnosis)
+
+
+def test_every_linear_ce_builtin_gets_the_same_verdict_sketched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At large shapes the reference's dE is kept factored (dz.T @ h) and the rows no token or
+    target touches are judged through projections; forced on the standard cases, every
+    built-in gets the verdicts, case by case, that the dense judgement gives."""
+    from tyingspec._src.core import paths
+
+    names = sorted(LINEAR_CE_BUILTINS)
+    dense = {n: _verdicts(n) for n in names}
+    assert all(projected == 0 for _, projected in dense.values())
+    monkeypatch.setattr(paths, "SKETCH_ABOVE", -1)
+    sketched = {n: _verdicts(n) for n in names}
+    assert {n: v for n, (v, _) in sketched.items()} == {n: v for n, (v, _) in dense.items()}
+    # the sketch was in force, and the zoo's broken kernels were caught through it
+    assert all(projected > 0 for _, projected in sketched.values())
+    assert sum(status == "wrong" for rows, _ in sketched.values()
+               for _, status, _, _ in rows) > 10
 
 
 def test_every_case_is_named_and_the_all_ignored_batch_is_defined() -> None:

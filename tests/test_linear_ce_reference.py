@@ -16,6 +16,7 @@ from hypothesis import example, given, note
 from hypothesis import strategies as st
 
 from tyingspec._src.core.finite import _central
+from tyingspec._src.core.paths import OutputPath, row_block
 from tyingspec._src.core.tolerance import Terms, row_tolerance, value_tolerance
 from tyingspec._src.kinds.linear_ce.reference import (
     REDUCTIONS,
@@ -371,3 +372,25 @@ def test_options_describe_themselves() -> None:
     with pytest.raises(ValueError, match="reduction"):
         CEOptions(reduction="avg")
     assert all(len(v) == 2 and v[0] and v[1] for v in VARIANTS.values())
+
+
+@pytest.mark.parametrize("variant", [None, *VARIANTS])
+def test_a_factored_dE_and_its_projections_are_the_dense_ones(variant: str | None) -> None:
+    """What a check at a large shape keeps instead of the [V, d] dE: its factors (read a block
+    of rows at a time) and its projections onto directions Z, whose magnitudes bound the
+    projected |dE| (the sketch's allowance rests on that bound)."""
+    o = _ALL if variant is None else VARIANT_CASES[variant][0]
+    p = _variant_problem(o)
+    Z = np.random.default_rng(5).normal(size=(3, 4))
+    dense = linear_ce(p.h, p.E, p.targets, p.b, o, p.go, variant=variant, block_rows=4)
+    fac = linear_ce(p.h, p.E, p.targets, p.b, o, p.go, variant=variant, block_rows=4, Z=Z,
+                    factored=True)
+    assert isinstance(fac.dE, OutputPath) and isinstance(dense.dE, np.ndarray)
+    assert dense.projected is None and fac.projected is not None
+    assert_close("dE", np.asarray(fac.dE), dense.dE, 1e-13)
+    assert_close("rows 1..3", row_block(fac.dE, 1, 4), dense.dE[1:4], 1e-13)
+    proj, mag = fac.projected
+    assert_close("dE @ Z", proj, dense.dE @ Z, 1e-12)
+    assert np.all(np.abs(dense.dE) @ np.abs(Z) <= mag * (1 + 1e-12) + 1e-300)
+    for name in ("dh", "dz", "dE_terms", "dh_terms"):
+        np.testing.assert_array_equal(getattr(fac, name), getattr(dense, name), err_msg=name)

@@ -56,6 +56,10 @@ class _Factored:
     def rows(self, rows: IntArray) -> Array:
         raise NotImplementedError
 
+    def block(self, start: int, stop: int) -> Array:
+        """Rows ``[start, stop)`` (what a blocked comparison reads), not building the whole."""
+        return self.rows(np.arange(start, min(stop, self.shape[0])))
+
     def _build(self) -> Array:
         raise NotImplementedError
 
@@ -86,6 +90,12 @@ class OutputPath(_Factored):
 
     def rows(self, rows: IntArray) -> Array:
         out: Array = np.asarray(self.g[:, rows], np.float64).T @ np.asarray(self.h, np.float64)
+        return out
+
+    def block(self, start: int, stop: int) -> Array:
+        # in the factors' own dtype, as the whole product would be: a float32 reference read a
+        # block at a time costs what building it whole did, and holds a block, not [V, d]
+        out: Array = self.g[:, start:stop].T @ self.h
         return out
 
     def _build(self) -> Array:
@@ -154,6 +164,14 @@ GAUSSIAN_DIRECTIONS = 8
 #: Shapes whose output path is above this many multiply-adds (V d N) are judged with a
 #: :class:`Sketch`; below it every row is compared entry by entry.
 SKETCH_ABOVE = 2**26
+
+
+def row_block(a: Array | _Factored, start: int, stop: int) -> Array:
+    """Rows ``[start, stop)`` of a [V, d] matrix or factored path."""
+    if isinstance(a, _Factored):
+        return a.block(start, stop)
+    out: Array = a[start:stop]
+    return out
 
 
 def sketched(V: int, d: int, n: int) -> bool:

@@ -27,7 +27,18 @@ from tyingspec._src.core.cases import drawn_ignore_index as drawn_ignore_index
 from tyingspec._src.core.cases import with_ce as with_ce
 from tyingspec._src.core.diagnosis import Label
 from tyingspec._src.core.findings import Finding, failed, passed
-from tyingspec._src.core.paths import Array, IntArray, Paths, scatter_rows, segment_sums
+from tyingspec._src.core.paths import (
+    Array,
+    InputPath,
+    IntArray,
+    OutputPath,
+    Paths,
+    draw_directions,
+    row_block,
+    scatter_rows,
+    segment_sums,
+    two_paths,
+)
 from tyingspec._src.core.tolerance import Terms, Tolerance, row_tolerance, value_tolerance
 from tyingspec._src.kinds.linear_ce.reference import VARIANTS, CEOptions, CEResult, linear_ce
 
@@ -145,7 +156,12 @@ def complete(batch: Batch, inp: dict[str, Any], precision: str,
     dt = working_dtype(V * d * N, precision)
     h = np.asarray(inp["h"])
     args = (h, batch.E, batch.targets, batch.b, opts, batch.grad_output)
-    ref = _reference_of(batch, inp, args, dt)
+    # At large shapes (as for a kernel, core.paths.SKETCH_ABOVE) the reference's dE is kept as
+    # its factors dz.T @ h and the rows no token or target touches are judged through
+    # projections: a [V, d] reference is 2.1 GB at Llama-3's head, and the repeat call ran
+    # beside it and the first call's total
+    drawn = draw_directions(V, d, N, batch.tokens, None, None)
+    ref = _reference_of(batch, inp, args, dt, None if drawn is None else drawn[0])
     # the rows of E the batch reads, in dt: what a whole E.astype(dt) would give them, without
     # a [V, d] copy (2.1 GB at Llama-3's head)
     _, t = body(replace(batch, E=batch.E[batch.tokens].astype(dt),
@@ -167,12 +183,22 @@ def complete(batch: Batch, inp: dict[str, Any], precision: str,
     terms = Terms(rows=ref.dE_terms + in_terms, k=k,
                   loss=float(np.abs(np.asarray(ref.loss, np.float64)).sum()) + 1.0 + zmag,
                   db=ref.db_terms)
-    paths = Paths(loss=_scalar(ref.loss, batch.grad_output),
-                  dE_in=scatter_rows(tokens, rows_ref.astype(np.float64), V),
-                  # in the reference's dtype: every comparison reads it a block at a time
-                  dE_out=ref.dE, dW=np.zeros((0, 0)),
+    per_position = rows_ref.astype(np.float64)
+    if drawn is None:
+        # in the reference's dtype: every comparison reads it a block at a time
+        dE_in: Array | InputPath = scatter_rows(tokens, per_position, V)
+        dE_out: Array | OutputPath = ref.dE
+        sketch = None
+    else:
+        assert ref.projected is not None
+        live = batch.targets[(batch.targets >= 0) & (batch.targets < V)]
+        exact = np.union1d(tokens, live).astype(np.int64)
+        dE_in, dE_out, sketch = two_paths(tokens, per_position, ref.dz, np.asarray(h, dt), V,
+                                          exact, drawn, ref.projected)
+    paths = Paths(loss=_scalar(ref.loss, batch.grad_output), dE_in=dE_in, dE_out=dE_out,
+                  dW=np.zeros((0, 0)),
                   db=None if ref.db is None else np.asarray(ref.db, np.float64),
-                  per_position=rows_ref.astype(np.float64), tokens=tokens, terms=terms)
+                  per_position=per_position, tokens=tokens, terms=terms, sketch=sketch)
     loss = ev["loss"]
     if _nan_mean_of_nothing(opts, args, ev):
         loss = ref.loss  # PyTorch's 0/0 (see _nan_mean_of_nothing): judged as the defined 0
@@ -201,14 +227,16 @@ _last: list[tuple[weakref.ref[Batch], dict[str, Any], str, CEResult]] = []
 
 
 def _reference_of(batch: Batch, inp: dict[str, Any], args: tuple[Any, ...],
-                  dt: str) -> CEResult:
-    """:func:`_reference` of ``args``, reused for a repeat call on the same inputs."""
+                  dt: str, Z: Array | None = None) -> CEResult:
+    """:func:`_reference` of ``args`` (with ``Z``: factored, and its projections), reused for
+    a repeat call on the same inputs."""
     if _last:
         was, was_inp, was_dt, ref = _last[0]
-        if was() is batch and was_inp is inp and was_dt == dt:
+        if was() is batch and was_inp is inp and was_dt == dt and \
+                (ref.projected is None) == (Z is None):
             return ref
     _last.clear()  # let the previous one go before the next is built
-    ref = _reference(args, dt)
+    ref = _reference(args, dt, Z)
 
     def gone(w: weakref.ref[Batch]) -> None:
         if _last and _last[0][0] is w:
@@ -231,13 +259,15 @@ def _abs_row_sum_max(E: Array) -> float:
 _ROWS = 1024
 
 
-def _all_close(tol: Tolerance, actual: Array, expected: Array) -> bool:
+def _all_close(tol: Tolerance, actual: Array, expected: Array | OutputPath) -> bool:
     """``tol.close(actual, expected).all()`` in float64, a block of rows at a time: whole
-    float64 [V, d] temporaries are 4.2 GB each at Llama-3's head."""
+    float64 [V, d] temporaries are 4.2 GB each at Llama-3's head (and a factored ``expected``
+    is built a block at a time)."""
     for s in range(0, actual.shape[0], _ROWS):
         rows = np.arange(s, min(s + _ROWS, actual.shape[0]))
         if not tol.rows(rows).close(np.asarray(actual[s:s + _ROWS], np.float64),
-                                    np.asarray(expected[s:s + _ROWS], np.float64)).all():
+                                    np.asarray(row_block(expected, s, s + _ROWS),
+                                               np.float64)).all():
             return False
     return True
 
@@ -263,10 +293,11 @@ def _nan_mean_of_nothing(opts: CEOptions, args: tuple[Any, ...], ev: Any) -> boo
             and bool(np.all(np.isnan(np.asarray(ev["loss"], np.float64)))))
 
 
-def _reference(args: tuple[Any, ...], dt: str) -> CEResult:
-    """The closed form; on tiny shapes its loss and gradients come from the sympy derivation
-    instead (as the probe model's do), the closed form keeping the bound terms."""
-    ref = linear_ce(*args, dtype=dt)
+def _reference(args: tuple[Any, ...], dt: str, Z: Array | None = None) -> CEResult:
+    """The closed form (with directions ``Z``, dE factored and projected); on tiny shapes its
+    loss and gradients come from the sympy derivation instead (as the probe model's do), the
+    closed form keeping the bound terms."""
+    ref = linear_ce(*args, dtype=dt, Z=Z, factored=Z is not None)
     V, d = np.shape(args[1])
     if V * d > SYMBOLIC_CE_ENTRIES or dt != "float64":
         return ref
@@ -349,7 +380,7 @@ def _kernel_findings(args: tuple[Any, ...], dt: str, ref: CEResult, ev: Any,
     if ok_dh and not ok_dE:
         return [failed(_CHECK, _INVARIANT, "dE_wrong_dh_right",
                        _overwritten_blocks(args, dt, ref, dE, precision, k)
-                       or f"rows of dE wrong: {_rows(dE, ref.dE)}")]
+                       or f"rows of dE wrong: {_rows(dE, np.asarray(ref.dE))}")]
     if ok_dE and not ok_dh:
         return [failed(_CHECK, _INVARIANT, "dh_wrong_dE_right",
                        f"tokens whose dh is wrong: {_rows(dh, ref.dh)}")]

@@ -45,6 +45,8 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from tyingspec._src.core.paths import OutputPath
+
 Array = NDArray[np.floating[Any]]
 Reduction = Literal["mean", "sum", "none"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
@@ -96,7 +98,7 @@ class CEResult:
 
     loss: float | np.ndarray  # float for mean/sum, [N] for none
     dh: np.ndarray  # [N, d]
-    dE: np.ndarray  # [V, d]
+    dE: np.ndarray | OutputPath  # [V, d]; its factors dz.T @ h when asked for (``factored``)
     db: np.ndarray | None  # [V], None without a bias
     # [N, V] dL/d(h @ E.T + b): the gradient w.r.t. the pre-scale logits, i.e. what multiplies
     # h (giving dE = dz.T @ h) and E (giving dh = dz @ E); s and the softcap are already in it
@@ -107,6 +109,9 @@ class CEResult:
     dE_terms: np.ndarray  # [V]
     dh_terms: np.ndarray  # [N]
     db_terms: np.ndarray  # [V] per entry of db: sum_i of the magnitudes of dz's terms
+    # With directions Z [d, k]: dE @ Z and its magnitudes, the same terms' sizes times
+    # |h| @ |Z| ([V, k] float64 each; what a ``core.paths.Sketch`` judges rows through)
+    projected: tuple[np.ndarray, np.ndarray] | None = None
 
 
 #: Known-wrong variants: name -> (diagnosis label, one-line description).
@@ -186,13 +191,18 @@ def linear_ce(
     variant: str | None = None,
     dtype: str = "float64",
     block_rows: int | None = None,
+    Z: Array | None = None,
+    factored: bool = False,
 ) -> CEResult:
     """Closed-form loss and gradients of the contract in the module docstring.
 
     ``variant`` (a key of :data:`VARIANTS`) returns what that known-wrong kernel returns instead.
     ``dtype`` ("float64" or "float32") is the arithmetic and output dtype.  ``block_rows`` sets
     how many tokens are processed at once (default: from V, to bound memory); it changes only
-    the grouping, never the result beyond rounding.
+    the grouping, never the result beyond rounding.  ``Z [d, k]`` adds the projections of dE
+    and their magnitudes (``projected``); ``factored`` returns dE as its factors ``dz.T @ h``
+    (an :class:`~tyingspec._src.core.paths.OutputPath`: at Llama-3's head the [V, d] matrix is
+    2.1 GB in float32, and a check reads it a block of rows at a time).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -267,6 +277,12 @@ def linear_ce(
     h_max = np.abs(hh).max(axis=1, initial=0).astype(dt)
     E_max = np.abs(EE).max(axis=1, initial=0).astype(dt)
     rows = block_rows or max(1, _BLOCK_ENTRIES // max(V, 1))
+    if Z is not None:
+        # in dz's own dtype, as the whole product dz.T @ h would be (see core.paths.Sketch)
+        hz = (np.asarray(hh, np.float64) @ Z).astype(dt)
+        habs_z = np.abs(np.asarray(hh, np.float64)) @ np.abs(Z)
+        proj = np.zeros((V, Z.shape[1]))
+        proj_mag = np.zeros((V, Z.shape[1]))
     for lo in range(0, N, rows):
         hi = min(N, lo + rows)
         r = np.arange(hi - lo)
@@ -314,6 +330,10 @@ def linear_ce(
         dE_terms += (mag.T @ h_max[lo:hi]).astype(np.float64)
         dh_terms[lo:hi] = mag @ E_max
         db_terms += mag.sum(axis=0).astype(np.float64)
+        if Z is not None:
+            proj += p.T @ hz[lo:hi]
+            # |dz| <= mag entrywise, so this bounds sum_j |Z[j, q]| |dE[v, j]|
+            proj_mag += np.asarray(mag, np.float64).T @ habs_z[lo:hi]
         del p, mag
 
     if red == "none":
@@ -324,7 +344,8 @@ def linear_ce(
         denom = total + n_ignored if variant == "ignored_counted" else total
         loss = float((t * per_token).sum(dtype=dt) / denom) if denom != 0 else 0.0
     dh = dz @ EE
-    dE = dz.T @ hh
+    dE: np.ndarray | OutputPath = OutputPath(dz, hh) if factored else dz.T @ hh
     db = dz.sum(axis=0, dtype=dt) if bb is not None else None
     return CEResult(loss=loss, dh=dh, dE=dE, db=db, dz=dz, dE_terms=dE_terms,
-                    dh_terms=dh_terms, db_terms=db_terms)
+                    dh_terms=dh_terms, db_terms=db_terms,
+                    projected=None if Z is None else (proj, proj_mag))
