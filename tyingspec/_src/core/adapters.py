@@ -10,16 +10,18 @@ on demand.  Two contracts:
 
 Everything an adapter returns is converted (torch tensors, jax arrays, lists) and validated; any
 problem raises :class:`AdapterError`, which names the adapter, the key, what was expected and
-what came back.  Adapters get copies of their inputs; a mutation is reported, not absorbed.
+what came back.  Adapters get copies of their inputs (the largest, the inputs themselves, kept
+in a temporary file: :class:`Handed`); a mutation is reported, not absorbed.
 """
 
 from __future__ import annotations
 
 import inspect
+import tempfile
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -166,17 +168,130 @@ class PrivateInputs(dict[str, Any]):
         self.private = frozenset(private)
 
 
-def _copies(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """The arrays handed to the adapter: a copy of each input array (``_mutated`` compares it
-    with the input after the call), the input itself where it is private already."""
-    private = inputs.private if isinstance(inputs, PrivateInputs) else frozenset()
-    return {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) and k not in private else v)
-            for k, v in inputs.items()}
-
+#: An input array of at least this many bytes is handed to the adapter itself, its bytes kept
+#: in an unnamed temporary file: a copy held beside it is another 2.1 GB at Llama-3's head
+#: (float32 E), where the kernel's own forward+backward holds E and its gradient.  After the
+#: call the array is compared with the file block by block and, if written into, put back
+#: from it (so the rest of the check judges the inputs it drew).  Below this, a copy in memory.
+SPILL_ABOVE = 1 << 28
 
 #: Bytes :func:`same_bits` compares at a time: its temporary stays small and warm, where one
 #: the size of a GPT-2-size E is 38 MB of fresh memory (up to 0.1 s of page faults).
 _COMPARE_BYTES = 1 << 20
+
+#: Bytes one read or write of a spill file moves (Linux moves at most 2 GiB - 4 KiB per call).
+_SPILL_IO = 1 << 26
+
+
+def _spillable(v: Any, name: str, private: frozenset[str]) -> bool:
+    # writeable: torch.from_numpy (the torch form) refuses to share a read-only array
+    return (isinstance(v, np.ndarray) and name not in private and v.nbytes >= SPILL_ABOVE
+            and v.flags.c_contiguous and v.flags.writeable)
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return a.reshape(-1).view(np.uint8).data  # a view: only a C-contiguous array is spilled
+
+
+class Handed(dict[str, Any]):
+    """The arguments one call hands to an adapter: a copy of each input array, the input
+    itself where it is private already (see :class:`PrivateInputs`) or spilled (see
+    :data:`SPILL_ABOVE`).  :meth:`mutated` says which inputs the adapter wrote into and puts a
+    spilled one back; :meth:`close` (also on the way out of ``with``, an exception included)
+    puts back and lets the files go."""
+
+    def __init__(self, inputs: Mapping[str, Any]) -> None:
+        private = inputs.private if isinstance(inputs, PrivateInputs) else frozenset()
+        self.inputs = inputs
+        self.spilled: dict[str, IO[bytes]] = {}
+        super().__init__()
+        try:
+            for k, v in inputs.items():
+                f = _spill(v) if _spillable(v, k, private) else None
+                if f is not None:
+                    self.spilled[k] = f
+                    self[k] = v
+                elif isinstance(v, np.ndarray) and k not in private:
+                    self[k] = np.array(v, copy=True)
+                else:
+                    self[k] = v
+        except BaseException:  # nothing was handed over yet: nothing to put back
+            for f in self.spilled.values():
+                f.close()
+            raise
+
+    def __enter__(self) -> Handed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def mutated(self) -> tuple[str, ...]:
+        """The inputs the adapter wrote into, in the inputs' order (a spilled one is put back
+        and its file let go); one handed uncopied because it is private has nothing here to
+        be compared with and is checked by whoever made it private."""
+        out = []
+        for k, orig in self.inputs.items():
+            if k in self.spilled:
+                if self._put_back(k):
+                    out.append(k)
+            elif isinstance(orig, np.ndarray) and self[k] is not orig and \
+                    not same_bits(orig, self[k]):
+                out.append(k)
+        return tuple(out)
+
+    def close(self) -> None:
+        """Put back every spilled input not compared yet and let the files go."""
+        while self.spilled:
+            self._put_back(next(iter(self.spilled)))
+
+    def _put_back(self, k: str) -> bool:
+        """Whether the spilled input ``k`` differs from its file, put back if so; the file is
+        closed either way."""
+        f, raw = self.spilled.pop(k), _bytes_of(self.inputs[k])
+        with f:
+            f.seek(0)
+            buf = bytearray(_COMPARE_BYTES)
+            for i in range(0, len(raw), _COMPARE_BYTES):
+                n = _read_into(f, memoryview(buf)[:min(_COMPARE_BYTES, len(raw) - i)], k)
+                if not same_bits(np.frombuffer(buf, np.uint8, n),
+                                 np.frombuffer(raw[i:i + n], np.uint8)):
+                    f.seek(0)
+                    for j in range(0, len(raw), _SPILL_IO):
+                        _read_into(f, raw[j:j + _SPILL_IO], k)
+                    return True
+        return False
+
+
+def _spill(a: np.ndarray) -> IO[bytes] | None:
+    """An unnamed temporary file holding ``a``'s bytes; None where it cannot be written (a
+    full disk: the input is copied in memory instead, as a smaller one is)."""
+    f: IO[bytes] = tempfile.TemporaryFile(buffering=0)
+    try:
+        raw = _bytes_of(a)
+        for i in range(0, len(raw), _SPILL_IO):
+            view = raw[i:i + _SPILL_IO]
+            while len(view):  # a write may take less than it is given
+                wrote = f.write(view)
+                if not wrote:
+                    raise OSError("the spill file took no bytes")
+                view = view[wrote:]
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def _read_into(f: IO[bytes], view: memoryview, name: str) -> int:
+    """Fill ``view`` from ``f`` (a read may return less than asked); its length."""
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])  # type: ignore[attr-defined]
+        if not got:
+            raise OSError(f"the spill file of input {name!r} ended {len(view) - done} bytes "
+                          "early")
+        done += got
+    return done
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -190,13 +305,6 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     a, b = a.view(np.uint8).view(view), b.view(np.uint8).view(view)
     step = _COMPARE_BYTES // word
     return all(np.array_equal(a[i:i + step], b[i:i + step]) for i in range(0, a.size, step))
-
-
-def _mutated(inputs: Mapping[str, Any], copies: Mapping[str, Any]) -> tuple[str, ...]:
-    """The inputs the adapter wrote into; one it was handed uncopied (private) has nothing
-    here to be compared with and is checked by whoever made it private."""
-    return tuple(k for k, orig in inputs.items() if isinstance(orig, np.ndarray)
-                 and copies[k] is not orig and not same_bits(orig, copies[k]))
 
 
 def _returned_dtype(value: Any) -> Any:
@@ -217,17 +325,17 @@ def _readable(adapter: str, read: Callable[[], Returned]) -> Returned:
 
 def call_model(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) -> Returned:
     """Call a model adapter on copies of ``inputs`` and validate every returned value."""
-    c = _copies(inputs)
-    # padding_idx only when the case declares one: an adapter without it keeps its contract
-    extra = {"padding_idx": c["padding_idx"]} if "padding_idx" in c else {}
-    out = _guarded_call(adapter, fn, c["E"], c["W"], c["b"], c["tokens"], c["targets"],
-                        res=c["res"], s_in=c["s_in"], **extra)
-    return _readable(adapter, lambda: _model_returned(adapter, inputs, c, out))
+    with Handed(inputs) as c:
+        # padding_idx only when the case declares one: an adapter without it keeps its contract
+        extra = {"padding_idx": c["padding_idx"]} if "padding_idx" in c else {}
+        out = _guarded_call(adapter, fn, c["E"], c["W"], c["b"], c["tokens"], c["targets"],
+                            res=c["res"], s_in=c["s_in"], **extra)
+        mutated = c.mutated()
+    return _readable(adapter, lambda: _model_returned(adapter, inputs, out, mutated))
 
 
-def _model_returned(adapter: str, inputs: Mapping[str, Any], c: Mapping[str, Any],
-                    out: Any) -> Returned:
-    mutated = _mutated(inputs, c)
+def _model_returned(adapter: str, inputs: Mapping[str, Any], out: Any,
+                    mutated: tuple[str, ...]) -> Returned:
     if not isinstance(out, Mapping):
         raise AdapterError(adapter, "returned a non-mapping",
                            expected="a mapping with keys loss, dE, dW, db",
@@ -256,13 +364,15 @@ def _model_returned(adapter: str, inputs: Mapping[str, Any], c: Mapping[str, Any
 
 def call_kernel(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) -> Returned:
     """Call a kernel adapter on copies of ``inputs``; returns the validated dE."""
-    c = _copies(inputs)
-    out = _guarded_call(adapter, fn, c["tokens"], c["dx"], c["h"], c["g"], c["vocab_size"])
+    with Handed(inputs) as c:
+        out = _guarded_call(adapter, fn, c["tokens"], c["dx"], c["h"], c["g"],
+                            c["vocab_size"])
+        mutated = c.mutated()
 
     def read() -> Returned:
         dE = validate_array(adapter, "dE", out,
                             (int(inputs["vocab_size"]), inputs["dx"].shape[1]))
-        return Returned(dE, _mutated(inputs, c), least_precise(dE.dtype))
+        return Returned(dE, mutated, least_precise(dE.dtype))
 
     return _readable(adapter, read)
 

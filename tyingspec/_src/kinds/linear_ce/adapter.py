@@ -26,10 +26,9 @@ import numpy as np
 
 from tyingspec._src.core.adapters import (
     AdapterError,
+    Handed,
     Returned,
-    _copies,
     _guarded_call,
-    _mutated,
     _readable,
     to_numpy,
 )
@@ -173,22 +172,24 @@ def call_linear_ce(spec: str, fn: Callable[..., Any], inputs: Mapping[str, Any])
             "form": "torch" if is_torch_form(fn) else "numpy", "options": supported(fn)})
     if is_torch_form(fn):
         return _call_torch(spec, fn, inputs)
-    c = _copies(inputs)
     takes = supported(fn)
-    for name, given in (("bias", c["b"]), ("grad_output", c["grad_output"])):
-        if given is not None and name not in takes:  # the cases needing it are left out
+    for name in ("bias", "grad_output"):
+        if inputs["b" if name == "bias" else name] is not None and name not in takes:
+            # the cases needing it are left out
             raise AdapterError(spec, f"takes no {name}, and this case has one",
                                expected=f"a kernel declaring {name} for this case",
                                got=_signature(fn))
-    args = (c["h"], c["E"], c["targets"]) + (() if c["b"] is None else (c["b"],))
-    # grad_output only where the kernel declares it: one without it takes mean and sum alone
-    extra = {"grad_output": c["grad_output"]} if "grad_output" in takes else {}
-    out = _guarded_call(spec, fn, *args, **extra, **c["options"])
+    with Handed(inputs) as c:
+        args = (c["h"], c["E"], c["targets"]) + (() if c["b"] is None else (c["b"],))
+        # grad_output only where the kernel declares it: one without it takes mean and sum
+        extra = {"grad_output": c["grad_output"]} if "grad_output" in takes else {}
+        out = _guarded_call(spec, fn, *args, **extra, **c["options"])
+        mutated = c.mutated()
     if not isinstance(out, Mapping):
         raise AdapterError(spec, "returned a non-mapping",
                            expected="a mapping with keys loss, dh, dE, db",
                            got=type(out).__name__)
-    return _readable(spec, lambda: _returned(spec, inputs, out, _mutated(inputs, c)))
+    return _readable(spec, lambda: _returned(spec, inputs, out, mutated))
 
 
 def _signature(fn: Any) -> str:
@@ -240,38 +241,41 @@ def _call_torch(spec: str, cls: Any, inputs: Mapping[str, Any]) -> Returned:
     import torch
 
     def tensor(a: Any) -> Any:
-        a = np.array(a)  # a copy: the kernel may write into its inputs
+        # shares ``a``: every array given here is the call's own (a Handed copy, or spilled)
+        a = np.asarray(a)
         if a.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 has torch's bit layout
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
 
     opts = dict(inputs["options"])
     if "ce_weight" in opts:
-        opts["ce_weight"] = tensor(opts["ce_weight"])
-    loss_fn = _guarded_call(spec, cls, **opts)
-    h = tensor(inputs["h"]).requires_grad_(True)
-    E = tensor(inputs["E"]).requires_grad_(True)
-    y = tensor(inputs["targets"])
-    b = None if inputs["b"] is None else tensor(inputs["b"]).requires_grad_(True)
-    # without a bias the module is called with three arguments: most real kernels take none
-    loss = _guarded_call(spec, loss_fn, E, h, y) if b is None else \
-        _guarded_call(spec, loss_fn, E, h, y, b)
-    if not isinstance(loss, torch.Tensor):
-        raise AdapterError(spec, "the loss is not a tensor", expected="a torch.Tensor",
-                           got=type(loss).__name__)
-    go = inputs["grad_output"]
+        opts["ce_weight"] = tensor(np.array(opts["ce_weight"]))  # [V]: a copy
+    with Handed(inputs) as c:
+        loss_fn = _guarded_call(spec, cls, **opts)
+        h = tensor(c["h"]).requires_grad_(True)
+        E = tensor(c["E"]).requires_grad_(True)
+        y = tensor(c["targets"])
+        b = None if c["b"] is None else tensor(c["b"]).requires_grad_(True)
+        # without a bias the module is called with three arguments: most real kernels take none
+        loss = _guarded_call(spec, loss_fn, E, h, y) if b is None else \
+            _guarded_call(spec, loss_fn, E, h, y, b)
+        if not isinstance(loss, torch.Tensor):
+            raise AdapterError(spec, "the loss is not a tensor", expected="a torch.Tensor",
+                               got=type(loss).__name__)
+        go = c["grad_output"]
 
-    def backward() -> None:
-        if go is not None and loss.dim() == 1:
-            loss.backward(tensor(go).to(loss.dtype))  # type: ignore[no-untyped-call]
-        else:
-            loss.backward()  # type: ignore[no-untyped-call]
+        def backward() -> None:
+            if go is not None and loss.dim() == 1:
+                loss.backward(tensor(go).to(loss.dtype))  # type: ignore[no-untyped-call]
+            else:
+                loss.backward()  # type: ignore[no-untyped-call]
 
-    _guarded_call(spec, backward)
+        _guarded_call(spec, backward)
+        mutated = c.mutated()
 
     def grad(t: Any, shape: tuple[int, ...]) -> Any:
         return t.grad if t.grad is not None else torch.zeros(shape, dtype=t.dtype)
 
     out = {"loss": loss.detach(), "dh": grad(h, tuple(h.shape)), "dE": grad(E, tuple(E.shape)),
            "db": None if b is None else grad(b, tuple(b.shape))}
-    return _readable(spec, lambda: _returned(spec, inputs, out, ()))
+    return _readable(spec, lambda: _returned(spec, inputs, out, mutated))
