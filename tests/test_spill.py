@@ -6,6 +6,7 @@ file: a write into it is still reported, and the input is put back, for every ad
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -183,3 +184,35 @@ def test_the_engine_verdict_of_a_spilled_mutation_is_the_copied_one() -> None:
     # and the batch it was judged on was put back: the same verdict again
     assert observe(mutant, case).label == "inputs_mutated"
     assert observe(load("tied", "model"), case).label == "correct"
+
+
+@pytest.mark.parametrize("form", ["model", "kernel", "ce-numpy"])
+def test_a_gradient_returned_in_the_inputs_own_buffer_is_what_the_adapter_wrote(
+        form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an adapter that builds its result in its largest input's memory and returns that view
+    # gets, spilled, exactly what it got with a copy (the input itself is put back)
+    def in_place(seen: dict[str, Any]) -> Callable[..., Any]:
+        inner = FORMS[form](False, seen)
+
+        @functools.wraps(inner)  # its signature: the linear-ce form reads it
+        def fn(*a: Any, **k: Any) -> Any:
+            out = inner(*a, **k)
+            buf = seen["E"]
+            if form == "kernel":
+                buf.reshape(-1)[:out.size] = out.reshape(-1)
+                return buf.reshape(-1)[:out.size].reshape(out.shape)
+            buf[...] = out["dE"]
+            return dict(out, dE=buf)
+        return fn
+
+    results = []
+    for spill in (False, True):
+        if spill:
+            monkeypatch.setattr(adapters, "SPILL_ABOVE", 0)
+        call, inputs = _inputs(form)
+        before = inputs[LARGEST[form]].copy()
+        results.append(call(f"user:{form}", in_place({}), inputs))
+        assert adapters.same_bits(inputs[LARGEST[form]], before)
+    copied, spilled = results
+    assert spilled.mutated == copied.mutated == (LARGEST[form],)
+    assert adapters.same_bits(np.asarray(spilled.dE), np.asarray(copied.dE))

@@ -197,13 +197,15 @@ class Handed(dict[str, Any]):
     """The arguments one call hands to an adapter: a copy of each input array, the input
     itself where it is private already (see :class:`PrivateInputs`) or spilled (see
     :data:`SPILL_ABOVE`).  :meth:`mutated` says which inputs the adapter wrote into and puts a
-    spilled one back; :meth:`close` (also on the way out of ``with``, an exception included)
-    puts back and lets the files go."""
+    spilled one back (:meth:`unaliased` then reads a result built in its buffer from what was
+    written); :meth:`close` (also on the way out of ``with``, an exception included) puts
+    back and lets the files go."""
 
     def __init__(self, inputs: Mapping[str, Any]) -> None:
         private = inputs.private if isinstance(inputs, PrivateInputs) else frozenset()
         self.inputs = inputs
         self.spilled: dict[str, IO[bytes]] = {}
+        self.written: dict[str, np.ndarray] = {}  # see unaliased
         super().__init__()
         try:
             for k, v in inputs.items():
@@ -233,7 +235,7 @@ class Handed(dict[str, Any]):
         out = []
         for k, orig in self.inputs.items():
             if k in self.spilled:
-                if self._put_back(k):
+                if self._put_back(k, keep=True):
                     out.append(k)
             elif isinstance(orig, np.ndarray) and self[k] is not orig and \
                     not same_bits(orig, self[k]):
@@ -245,9 +247,33 @@ class Handed(dict[str, Any]):
         while self.spilled:
             self._put_back(next(iter(self.spilled)))
 
-    def _put_back(self, k: str) -> bool:
-        """Whether the spilled input ``k`` differs from its file, put back if so; the file is
-        closed either way."""
+    def unaliased(self, out: Any) -> Any:
+        """What the adapter returned (an array, or a dict of them), where an array is a view
+        of a spilled input it wrote into (a dE built in E's own buffer) read from what it
+        wrote, not from the input put back: as it would have been with a copy handed over."""
+        if not self.written:
+            return out
+        if isinstance(out, dict):
+            return {k: self._unalias(v) for k, v in out.items()}
+        return self._unalias(out)
+
+    def _unalias(self, a: Any) -> Any:
+        if not isinstance(a, np.ndarray):
+            return a
+        for k, kept in self.written.items():
+            base = self.inputs[k]
+            if np.shares_memory(a, base):
+                try:
+                    return np.ndarray(a.shape, a.dtype, buffer=kept, strides=a.strides,
+                                      offset=a.ctypes.data - base.ctypes.data)
+                except (TypeError, ValueError):  # reaches outside the input: left as it is
+                    return a
+        return a
+
+    def _put_back(self, k: str, keep: bool = False) -> bool:
+        """Whether the spilled input ``k`` differs from its file, put back if so (``keep``:
+        what was written is kept first, for :meth:`unaliased`); the file is closed either
+        way."""
         f, raw = self.spilled.pop(k), _bytes_of(self.inputs[k])
         with f:
             f.seek(0)
@@ -256,6 +282,8 @@ class Handed(dict[str, Any]):
                 n = _read_into(f, memoryview(buf)[:min(_COMPARE_BYTES, len(raw) - i)], k)
                 if not same_bits(np.frombuffer(buf, np.uint8, n),
                                  np.frombuffer(raw[i:i + n], np.uint8)):
+                    if keep:  # a copy only now: the adapter wrote, as a copy is written
+                        self.written[k] = np.array(self.inputs[k], copy=True)
                     f.seek(0)
                     for j in range(0, len(raw), _SPILL_IO):
                         _read_into(f, raw[j:j + _SPILL_IO], k)
@@ -331,6 +359,7 @@ def call_model(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) 
         out = _guarded_call(adapter, fn, c["E"], c["W"], c["b"], c["tokens"], c["targets"],
                             res=c["res"], s_in=c["s_in"], **extra)
         mutated = c.mutated()
+        out = c.unaliased(out)
     return _readable(adapter, lambda: _model_returned(adapter, inputs, out, mutated))
 
 
@@ -368,6 +397,7 @@ def call_kernel(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any])
         out = _guarded_call(adapter, fn, c["tokens"], c["dx"], c["h"], c["g"],
                             c["vocab_size"])
         mutated = c.mutated()
+        out = c.unaliased(out)
 
     def read() -> Returned:
         dE = validate_array(adapter, "dE", out,

@@ -185,6 +185,7 @@ def call_linear_ce(spec: str, fn: Callable[..., Any], inputs: Mapping[str, Any])
         extra = {"grad_output": c["grad_output"]} if "grad_output" in takes else {}
         out = _guarded_call(spec, fn, *args, **extra, **c["options"])
         mutated = c.mutated()
+        out = c.unaliased(out)
     if not isinstance(out, Mapping):
         raise AdapterError(spec, "returned a non-mapping",
                            expected="a mapping with keys loss, dh, dE, db",
