@@ -173,6 +173,8 @@ class PrivateInputs(dict[str, Any]):
 #: (float32 E), where the kernel's own forward+backward holds E and its gradient.  After the
 #: call the array is compared with the file block by block and, if written into, put back
 #: from it (so the rest of the check judges the inputs it drew).  Below this, a copy in memory.
+#: The file is in ``tempfile``'s directory (``TMPDIR``): where that is a tmpfs, it is memory
+#: after all, as much as the copy was.
 SPILL_ABOVE = 1 << 28
 
 #: Bytes :func:`same_bits` compares at a time: its temporary stays small and warm, where one
