@@ -164,6 +164,44 @@ def test_a_spill_that_cannot_be_written_falls_back_to_a_copy(
 
 
 @pytest.mark.usefixtures("spill_everything")
+def test_a_spill_file_that_cannot_be_made_falls_back_to_a_copy(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    # a TMPDIR that is not there (or not writable): the file cannot even be created
+    monkeypatch.setattr(adapters.tempfile, "tempdir", str(tmp_path / "gone"))
+    E = np.arange(12.0).reshape(4, 3)
+    with Handed({"E": E}) as c:
+        assert c["E"] is not E and not c.spilled
+        c["E"][0, 0] = 5.0
+        assert c.mutated() == ("E",)
+    assert E[0, 0] == 0.0
+
+
+@pytest.mark.usefixtures("spill_everything")
+def test_what_was_written_is_kept_only_for_a_result_that_is_a_view_of_it() -> None:
+    # the kept copy is the size of the input (2.1 GB at Llama-3's head): made only when a
+    # returned array is a view of the input written into, which unaliased() then reads
+    shapes: dict[str, Callable[[np.ndarray], Any]] = {
+        "an array": lambda view: np.zeros(3),
+        "a dict of arrays": lambda view: {"dE": np.zeros(3), "loss": 1.0},
+        "nothing": lambda view: None,
+        "the view": lambda view: view,
+        "a dict holding the view": lambda view: {"dE": view, "loss": 1.0}}
+    for what, shape in shapes.items():
+        kept = "view" in what
+        E = np.ones((4, 3))
+        with Handed({"E": E}) as c:
+            c["E"][1] = 2.0
+            out = shape(c["E"][1:3])
+            assert c.mutated(out) == ("E",)
+            assert ("E" in c.written) is kept, what
+            if kept:
+                got = c.unaliased(out)
+                got = got["dE"] if isinstance(got, dict) else got
+                np.testing.assert_array_equal(got, [[2.0] * 3, [1.0] * 3])
+        assert (E == 1.0).all()
+
+
+@pytest.mark.usefixtures("spill_everything")
 def test_a_spill_file_is_closed_whether_or_not_it_was_compared() -> None:
     E = np.ones((4, 3))
     with Handed({"E": E}) as c:

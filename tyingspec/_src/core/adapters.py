@@ -230,14 +230,16 @@ class Handed(dict[str, Any]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def mutated(self) -> tuple[str, ...]:
+    def mutated(self, returned: Any = None) -> tuple[str, ...]:
         """The inputs the adapter wrote into, in the inputs' order (a spilled one is put back
         and its file let go); one handed uncopied because it is private has nothing here to
-        be compared with and is checked by whoever made it private."""
+        be compared with and is checked by whoever made it private.  ``returned`` is what the
+        adapter returned: what it wrote into a spilled input is kept, for :meth:`unaliased`,
+        only where an array of it is a view of that input (a copy of a 2.1 GB E otherwise)."""
         out = []
         for k, orig in self.inputs.items():
             if k in self.spilled:
-                if self._put_back(k, keep=True):
+                if self._put_back(k, keep=_views_of(returned, orig)):
                     out.append(k)
             elif isinstance(orig, np.ndarray) and self[k] is not orig and \
                     not same_bits(orig, self[k]):
@@ -293,10 +295,20 @@ class Handed(dict[str, Any]):
         return False
 
 
+def _views_of(returned: Any, base: np.ndarray) -> bool:
+    """Whether an array of ``returned`` (an array, or a dict of them) shares ``base``'s memory."""
+    arrays = returned.values() if isinstance(returned, Mapping) else (returned,)
+    return any(isinstance(a, np.ndarray) and np.shares_memory(a, base) for a in arrays)
+
+
 def _spill(a: np.ndarray) -> IO[bytes] | None:
-    """An unnamed temporary file holding ``a``'s bytes; None where it cannot be written (a
-    full disk: the input is copied in memory instead, as a smaller one is)."""
-    f: IO[bytes] = tempfile.TemporaryFile(buffering=0)
+    """An unnamed temporary file holding ``a``'s bytes; None where it cannot be made or
+    written (a ``TMPDIR`` that cannot be written to, a full disk: the input is copied in
+    memory instead, as a smaller one is)."""
+    try:
+        f: IO[bytes] = tempfile.TemporaryFile(buffering=0)
+    except OSError:
+        return None
     try:
         raw = _bytes_of(a)
         for i in range(0, len(raw), _SPILL_IO):
@@ -360,7 +372,7 @@ def call_model(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) 
         extra = {"padding_idx": c["padding_idx"]} if "padding_idx" in c else {}
         out = _guarded_call(adapter, fn, c["E"], c["W"], c["b"], c["tokens"], c["targets"],
                             res=c["res"], s_in=c["s_in"], **extra)
-        mutated = c.mutated()
+        mutated = c.mutated(out)
         out = c.unaliased(out)
     return _readable(adapter, lambda: _model_returned(adapter, inputs, out, mutated))
 
@@ -398,7 +410,7 @@ def call_kernel(adapter: str, fn: Callable[..., Any], inputs: Mapping[str, Any])
     with Handed(inputs) as c:
         out = _guarded_call(adapter, fn, c["tokens"], c["dx"], c["h"], c["g"],
                             c["vocab_size"])
-        mutated = c.mutated()
+        mutated = c.mutated(out)
         out = c.unaliased(out)
 
     def read() -> Returned:

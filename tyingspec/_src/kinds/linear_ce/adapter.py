@@ -184,7 +184,7 @@ def call_linear_ce(spec: str, fn: Callable[..., Any], inputs: Mapping[str, Any])
         # grad_output only where the kernel declares it: one without it takes mean and sum
         extra = {"grad_output": c["grad_output"]} if "grad_output" in takes else {}
         out = _guarded_call(spec, fn, *args, **extra, **c["options"])
-        mutated = c.mutated()
+        mutated = c.mutated(out)
         out = c.unaliased(out)
     if not isinstance(out, Mapping):
         raise AdapterError(spec, "returned a non-mapping",
