@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tyingspec._src.core import cases, memory
+from tyingspec._src.core import cases, memory, threads
 from tyingspec._src.core.cases import Case, build, bytes_needed, memory_problem, released
 from tyingspec._src.engine import observe as ob
 from tyingspec._src.kinds.probe.spec import KERNEL
@@ -198,3 +198,33 @@ def test_a_bfloat16_forward_casts_E_in_blocks(monkeypatch: pytest.MonkeyPatch) -
     assert part.g.dtype == whole.g.dtype == np.float32
     np.testing.assert_allclose(part.g, whole.g, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(part.dx, whole.dx, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_a_large_E_is_drawn_in_blocks_the_same_on_any_number_of_cores(
+        dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the block path, at a size a test can afford: blocks of 64 entries, split from 1024 up
+    monkeypatch.setattr(cases, "DRAW_BLOCK", 64)
+    monkeypatch.setattr(cases, "DRAW_SPLIT_ABOVE", 1024)
+    case = Case("a", V=300, d=7, N=16, seed=11, e_scale=0.5, dtype=dtype)  # type: ignore[arg-type]
+    E = np.asarray(build(case).E, np.float64)
+    for cores in (1, 3):  # the blocks are the shape's, not the machine's
+        monkeypatch.setattr(threads, "cores", lambda n=cores: n)
+        again = build(case)
+        assert again.E.dtype == build(case).E.dtype
+        np.testing.assert_array_equal(np.asarray(again.E, np.float64), E)
+    assert build(case).E.dtype.name == dtype
+    # N(0, 1) * e_scale: 2100 draws put the sample's mean and spread well inside these
+    assert abs(E.mean()) < 0.05 and abs(E.std() - 0.5) < 0.05
+    # every block is its own stream: no two blocks repeat each other's values
+    rows = 64 // 7
+    assert not np.allclose(E[:rows], E[rows:2 * rows], rtol=0, atol=1e-3)
+    # below the threshold, the draw of before: every small case replays its printed batch
+    small = replace(case, V=100)
+    rng = np.random.default_rng(11)
+    if dtype == "float32":
+        want = rng.standard_normal((100, 7), dtype=np.float32) * np.float32(0.5)
+    else:
+        want = rng.normal(size=(100, 7)) * 0.5
+    np.testing.assert_array_equal(np.asarray(build(small).E, np.float64),
+                                  np.asarray(want.astype(build(small).E.dtype), np.float64))

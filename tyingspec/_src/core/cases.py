@@ -25,6 +25,7 @@ from tyingspec._src.core.paths import (
     kernel_terms,
     two_paths,
 )
+from tyingspec._src.core.threads import on_cores
 from tyingspec._src.core.tolerance import numpy_dtype
 
 #: How the tokens of a batch are composed.  ``random``: uniform; ``distinct``: no repeats;
@@ -143,11 +144,50 @@ def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
     return t
 
 
+#: An E of at least this many entries is drawn in blocks of rows, each from its own child of
+#: the case's generator (``Generator.spawn``), on every core (``core.threads.on_cores``):
+#: numpy's normal draw runs without the GIL, and at GPT-2 size one thread takes 0.33 s, a large
+#: part of a warm case.  The blocks are fixed by the shape alone (:data:`DRAW_BLOCK` entries),
+#: so the values do not depend on the machine; below this size E is drawn as it always was, so
+#: every small case replays the batch its seed printed before.
+DRAW_SPLIT_ABOVE = 1 << 22
+#: Entries per block of :func:`_drawn_in_blocks` (16 MB in float32): few enough blocks that
+#: spawning costs nothing, enough that two cores share them evenly.
+DRAW_BLOCK = 1 << 22
+
+
+def _drawn_in_blocks(rng: np.random.Generator, shape: tuple[int, int], dt: np.dtype[Any],
+                     scale: float) -> Array:
+    """``N(0, 1) * scale`` of ``shape`` in ``dt``, block by block (see ``DRAW_SPLIT_ABOVE``).
+    A dtype without a draw of its own (bfloat16, float16) is drawn in float32 a block at a
+    time and cast: never a float64 [V, d] beside it (4.2 GB at Llama-3's head)."""
+    V, d = shape
+    rows = max(1, DRAW_BLOCK // max(d, 1))
+    blocks = [slice(s, min(s + rows, V)) for s in range(0, V, rows)]
+    out = memory.empty(shape, dt)
+    own = dt if dt in (np.float32, np.float64) else np.dtype(np.float32)
+
+    def fill(child: np.random.Generator, b: slice) -> None:
+        if own == dt:
+            block = out[b]
+            child.standard_normal(dtype=own, out=block)
+            block *= own.type(scale)
+        else:
+            drawn = child.standard_normal((b.stop - b.start, d), dtype=own)
+            drawn *= own.type(scale)
+            out[b] = drawn.astype(dt)
+
+    on_cores(lambda piece: fill(*piece), list(zip(rng.spawn(len(blocks)), blocks)))
+    return out
+
+
 def build(case: Case) -> Batch:
     """Every array of a case, from its seed (weights at a scale where both paths matter)."""
     rng = np.random.default_rng(case.seed)
     dt = numpy_dtype(case.dtype)  # type: ignore[arg-type]
-    if dt == np.float32:
+    if case.V * case.d >= DRAW_SPLIT_ABOVE:
+        E = _drawn_in_blocks(rng, (case.V, case.d), dt, case.e_scale)
+    elif dt == np.float32:
         # drawn in float32 directly: at V*d = 38M this is a second, not a tenth of one
         E = rng.standard_normal(dtype=np.float32, out=memory.empty((case.V, case.d), np.float32))
         E *= np.float32(case.e_scale)

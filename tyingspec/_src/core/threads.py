@@ -1,0 +1,44 @@
+"""Work on large arrays split over the cores, where numpy runs without the GIL.
+
+numpy's BLAS products use every core, but its elementwise functions, reductions and random
+draws use one.  At GPT-2 size a few of them each pass over a 206 MB [N, V] or a 154 MB [V, d]
+array (the reference's softmax, the batch's E): on a 2-core machine half of it sits idle while
+they run.  :func:`on_cores` runs one function over independent pieces (blocks of rows) on a
+pool of threads made for the call and joined before it returns, so no thread outlives it (the
+check's worker processes are forked).  Whatever is split must not depend on how: each piece's
+result is its own, so the answer is the same on any number of cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity, where the platform says)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return max(1, len(affinity(0)) if affinity is not None else (os.cpu_count() or 1))
+
+
+def on_cores(fn: Callable[[T], None], pieces: Sequence[T]) -> None:
+    """``fn`` of every piece, on up to :func:`cores` threads; the first exception is raised."""
+    n = min(len(pieces), cores())
+    if n <= 1:
+        for p in pieces:
+            fn(p)
+        return
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        for f in [pool.submit(fn, p) for p in pieces]:
+            f.result()
+
+
+def row_ranges(rows: int, parts: int) -> list[slice]:
+    """``rows`` split into at most ``parts`` contiguous ranges of near-equal length."""
+    parts = max(1, min(parts, rows))
+    edges = [rows * i // parts for i in range(parts + 1)]
+    return [slice(a, b) for a, b in zip(edges, edges[1:]) if b > a]
