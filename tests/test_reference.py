@@ -122,3 +122,45 @@ def test_symbolic_reference_refuses_shapes_it_cannot_compile_quickly() -> None:
     b = build(Case("large", V=64, d=16, N=4, seed=0))
     with pytest.raises(ValueError, match="closed-form"):
         symbolic_paths(b.E, b.W, b.b, b.tokens, b.targets)
+
+
+def _softmax_whole(logits: np.ndarray, b: np.ndarray | None, targets: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The reference's softmax as one pass per step over the whole [N, V] buffer (how it was
+    computed before it ran in blocks of rows): the blocked one must give these bits."""
+    g = logits.copy()
+    n = g.shape[0]
+    if b is not None:
+        g += b
+    g -= g.max(axis=1, keepdims=True)
+    rows = np.arange(n)
+    at_target = g[rows, targets].copy()
+    np.exp(g, out=g)
+    z = g.sum(axis=1, keepdims=True)
+    g *= (1 / (z * g.dtype.type(n))).astype(g.dtype, copy=False)
+    g[rows, targets] -= g.dtype.type(1) / g.dtype.type(n)
+    return g, at_target, z[:, 0]
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3])
+@given(n=st.integers(1, 40), V=st.integers(1, 300), bias=st.booleans(),
+       dtype=st.sampled_from(["float32", "float64"]), seed=st.integers(0, 2**32 - 1))
+def test_the_blocked_softmax_is_bit_for_bit_the_whole_buffer_one(
+        cores: int, n: int, V: int, bias: bool, dtype: str, seed: int) -> None:
+    from tyingspec._src.core import paths, threads
+
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((n, V)) * 4).astype(dtype)
+    b = rng.standard_normal(V).astype(dtype) if bias else None
+    targets = rng.integers(V, size=n)
+    want = _softmax_whole(logits, b, targets)
+    g = logits.copy()
+    real_cores, real_size = threads.cores, paths._SOFTMAX_THREADS_ABOVE
+    try:  # threads even at these sizes, on as many as the test says
+        threads.cores, paths._SOFTMAX_THREADS_ABOVE = (lambda: cores), 0
+        at_target, z = paths._softmax_in_place(g, b, targets)
+    finally:
+        threads.cores, paths._SOFTMAX_THREADS_ABOVE = real_cores, real_size
+    for got, ref in zip((g, at_target, z), want):
+        assert got.dtype == ref.dtype
+        np.testing.assert_array_equal(got, ref)

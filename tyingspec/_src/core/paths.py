@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from tyingspec._src.core import memory
-from tyingspec._src.core.threads import cores, on_cores, row_ranges
+from tyingspec._src.core import memory, threads
 from tyingspec._src.core.tolerance import Terms
 
 Array = NDArray[np.floating]
@@ -320,6 +319,9 @@ def forward_parts(
 #: Rows of ``g`` one step of :func:`_softmax_in_place` works on: 8 rows of a GPT-2-size
 #: vocabulary are 1.6 MB in float32, so its five passes run in cache, not over 206 MB each.
 _SOFTMAX_ROWS = 8
+#: Entries of ``g`` from which its softmax is split over the cores: below it, starting the
+#: threads costs about what they save.
+_SOFTMAX_THREADS_ABOVE = 1 << 20
 
 
 def _softmax_in_place(g: Array, b: Array | None, targets: IntArray) -> tuple[Array, Array]:
@@ -348,8 +350,8 @@ def _softmax_in_place(g: Array, b: Array | None, targets: IntArray) -> tuple[Arr
             blk *= (1 / (zb * dt(n))).astype(g.dtype, copy=False)  # softmax / N
             blk[local, targets[s:e]] -= inv_n
 
-    # threads only for a large g: below a million entries starting them costs what they save
-    on_cores(part, row_ranges(n, cores() if g.size >= (1 << 20) else 1))
+    threads.on_cores(part, threads.row_ranges(
+        n, threads.cores() if g.size >= _SOFTMAX_THREADS_ABOVE else 1))
     return at_target, z
 
 
