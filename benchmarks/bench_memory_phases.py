@@ -3,8 +3,8 @@
     python -m benchmarks.bench_memory_phases                           # V=32768 d=2048 N=1024
     python -m benchmarks.bench_memory_phases --V 128256 --d 4096       # Llama-3's head (minutes)
 
-Runs ``tyingspec check ce-torch --kind linear-ce --shape V,d,N --precision float32 --case
-ce-plain --shrink-budget 0`` in this process (``front.cli.main``; a built-in target runs in the
+Runs ``tyingspec check ce-torch --kind linear-ce --shape V,d,N --precision P --case
+ce-plain --shrink-budget 0`` (``--precision``: float32, or bfloat16) in this process (``front.cli.main``; a built-in target runs in the
 checking process, so its memory is this process's), samples the resident set size every 20 ms
 from a thread, and prints the largest sample seen inside each nesting of engine phases: the
 first call (``first_call``), the repeat call (``observe/_invoke``: the implementation's own
@@ -55,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--V", type=int, default=32768)
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--N", type=int, default=1024)
+    ap.add_argument("--precision", choices=("float32", "bfloat16"), default="float32")
     a = ap.parse_args(argv)
     for name in ("first_call", "observe", "judge", "_invoke"):
         setattr(ob, name, entered(name, getattr(ob, name)))
@@ -74,12 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     _, verdict = quiet_command(["check", "ce-torch", "--kind", "linear-ce", "--shape",
-                                f"{a.V},{a.d},{a.N}", "--precision", "float32", "--case",
+                                f"{a.V},{a.d},{a.N}", "--precision", a.precision, "--case",
                                 "ce-plain", "--shrink-budget", "0", "--json", os.devnull])
     done.set()
     thread.join()
-    print(f"== linear-ce check of ce-torch at V={a.V} d={a.d} N={a.N}, float32: "
-          f"E is {a.V * a.d * 4 / 2**30:.2f} GiB; {verdict}")
+    size = 4 if a.precision == "float32" else 2
+    print(f"== linear-ce check of ce-torch at V={a.V} d={a.d} N={a.N}, {a.precision}: "
+          f"E is {a.V * a.d * size / 2**30:.2f} GiB; {verdict}")
     for where, most in sorted(peak.items(), key=lambda kv: -kv[1]):
         print(f"{most / 2**30:7.2f} GiB  {where}")
     return 0

@@ -198,3 +198,42 @@ def test_the_plugin_draws_only_the_options_a_kernel_declares(scratch: Scratch) -
         # a kernel with few options is still checked on every example, not filtered away
         assert run.ret == 0, out[-3000:]
         assert "needs option" not in out
+
+
+@pytest.mark.parametrize("dtype, precision, want", [
+    ("bfloat16", "bfloat16", "bfloat16"), ("float32", "float32", "float32"),
+    ("float32", "float64", "float64"), ("bfloat16", "float32", "float32")])
+@pytest.mark.parametrize("kept_by_the_adapter", [False, True])
+def test_the_tied_total_is_the_returned_dE_itself_when_nothing_else_holds_it(
+        dtype: str, precision: str, want: str, kept_by_the_adapter: bool) -> None:
+    # dE + the input path its dh implies, added into dE (no [V, d] copy: 1-2 GB at Llama-3's
+    # head) only where dE is already in the total's dtype and no one else can see the write
+    import numpy as np
+
+    from tyingspec._src.core.adapters import Returned
+    from tyingspec._src.core.tolerance import numpy_dtype, tolerance_for
+    from tyingspec._src.kinds.linear_ce.kind import _tied_total
+
+    rng = np.random.default_rng(3)
+    dt = numpy_dtype(dtype)  # type: ignore[arg-type]
+    dE = rng.standard_normal((9, 4)).astype(dt)
+    dE[7, 1] = np.inf  # the not_finite finding's: a zero in the total
+    tokens = np.array([2, 5, 2, 0])
+    rows = rng.standard_normal((4, 4))
+    expected = np.asarray(dE, np.float64).copy()
+    np.add.at(expected, tokens, rows)
+    expected[7, 1] = 0.0
+    before = dE.copy()
+    held = [dE] if kept_by_the_adapter else []  # the adapter kept its buffer
+    returned = Returned(dE, (), dtype)  # type: ignore[arg-type]
+    del dE
+    total = _tied_total(returned, tokens, rows, precision)
+    assert total.dtype.name == want
+    in_place = want == dtype and not kept_by_the_adapter
+    assert (total is returned.dE) is in_place
+    if kept_by_the_adapter:  # what the adapter holds is left as it returned it
+        np.testing.assert_array_equal(np.asarray(held[0], np.float64),
+                                      np.asarray(before, np.float64))
+    tol = tolerance_for(want, float(np.abs(expected).max()))  # type: ignore[arg-type]
+    np.testing.assert_allclose(np.asarray(total, np.float64), expected,
+                               rtol=tol.rtol, atol=tol.atol)

@@ -227,7 +227,9 @@ def _returned(spec: str, inputs: Mapping[str, Any], out: Mapping[str, Any],
             raise AdapterError(spec, "not a float array", key=key,
                                expected="float64, float32, float16 or bfloat16",
                                got=str(a.dtype))
-        arrays[key] = a.reshape(shape)
+        # not reshaped when it has the shape: a view would hide that nothing else holds dE
+        # (kind._tied_total adds into it then, not into a copy)
+        arrays[key] = a if a.shape == shape else a.reshape(shape)
     # inf/NaN is a verdict here (a kernel that overflows), not a malformed result
     nonfinite = [k for k, a in arrays.items() if a is not None and not np.all(np.isfinite(a))]
     dE = arrays["dE"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from tyingspec._src.core import memory
 from tyingspec._src.core.adapters import Returned
 from tyingspec._src.core.cases import CHUNK as CHUNK
 from tyingspec._src.core.cases import IGNORE_INDEX as IGNORE_INDEX
@@ -205,18 +206,40 @@ def complete(batch: Batch, inp: dict[str, Any], precision: str,
         ev = dict(ev, loss=np.zeros_like(np.asarray(ev["loss"], np.float64)),
                   nonfinite=[])
     findings = _kernel_findings(args, dt, ref, ev, returned, precision, k, zmag)
-    # dE + scatter_rows(tokens, rows_ker, V) as one [V, d] (not three): the touched rows' sums
-    # added in place.  Judged at float32 or below it is float32, not float64 (4.2 GB at
-    # Llama-3's head): the touched rows take one more float32 rounding of their sum, far inside
-    # a bound whose terms are at least the row's magnitude times N + d units
-    total = np.array(returned.dE, dtype=np.float64 if precision == "float64" else
-                     np.result_type(returned.dE.dtype, np.float32))
-    touched, sums = segment_sums(tokens, rows_ker)
-    total[touched] += sums
-    # inf/NaN is the finding's verdict (not_finite); the rows compare as zeros there
-    total = np.nan_to_num(total, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+    total = _tied_total(returned, tokens, rows_ker, precision)
     return replace(returned, dE=total, loss=_scalar(loss, batch.grad_output),
                    findings=tuple(findings)), paths
+
+
+def _tied_total(returned: Returned, tokens: IntArray, rows_ker: Array, precision: str
+                ) -> Array:
+    """``dE + scatter_rows(tokens, rows_ker, V)`` as one [V, d] (not three): the touched rows'
+    sums added in place, inf and NaN read as 0 (they are the ``not_finite`` finding's).
+
+    Judged at float32 or below it is in float32, not float64 (4.2 GB at Llama-3's head), and
+    in dE's own dtype where that is bfloat16 or float16 judged at its own precision (2.1 GB
+    less there): the touched rows take one more rounding of their sum at the judged precision,
+    far inside a bound whose terms are at least the row's magnitude times N + d units.  Where
+    dE is already in that dtype and nothing but its Returned holds it (``core.memory.unshared``:
+    an adapter that reuses its buffer still gets a copy), it is the total itself, no copy."""
+    dE = returned.dE
+    low = ("bfloat16", "float16")
+    want = np.dtype(np.float64) if precision == "float64" else \
+        dE.dtype if dE.dtype.name in low and precision in low else \
+        np.result_type(dE.dtype, np.float32)
+    # holders: its Returned and the name dE here
+    total = dE if dE.dtype == want and memory.unshared(dE, holders=2) else \
+        np.array(dE, dtype=want)
+    del dE
+    touched, sums = segment_sums(tokens, rows_ker)
+    total[touched] += sums
+    if total.dtype.kind == "f":
+        out: Array = np.nan_to_num(total, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+        return out
+    for s in range(0, total.shape[0], _ROWS):  # bfloat16: numpy's nan_to_num leaves it as is
+        block = total[s:s + _ROWS]
+        block[~np.isfinite(block)] = 0
+    return total
 
 
 #: The last reference :func:`complete` built: the batch it was for (weakly), the inputs dict
