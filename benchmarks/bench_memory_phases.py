@@ -2,10 +2,12 @@
 
     python -m benchmarks.bench_memory_phases                           # V=32768 d=2048 N=1024
     python -m benchmarks.bench_memory_phases --V 128256 --d 4096       # Llama-3's head (minutes)
+    python -m benchmarks.bench_memory_phases --V 128256 --d 4096 --precision bfloat16
 
 Runs ``tyingspec check ce-torch --kind linear-ce --shape V,d,N --precision P --case
-ce-plain --shrink-budget 0`` (``--precision``: float32, or bfloat16) in this process (``front.cli.main``; a built-in target runs in the
-checking process, so its memory is this process's), samples the resident set size every 20 ms
+ce-plain --shrink-budget 0`` (``--precision``: float32, or bfloat16) in this process
+(``front.cli.main``; a built-in target runs in the checking process, so its memory is this
+process's), samples the resident set size every 20 ms
 from a thread, and prints the largest sample seen inside each nesting of engine phases: the
 first call (``first_call``), the repeat call (``observe/_invoke``: the implementation's own
 forward+backward while the first call's judged arrays are held), judging (``complete``: the
