@@ -204,8 +204,10 @@ def test_the_plugin_draws_only_the_options_a_kernel_declares(scratch: Scratch) -
     ("bfloat16", "bfloat16", "bfloat16"), ("float32", "float32", "float32"),
     ("float32", "float64", "float64"), ("bfloat16", "float32", "float32")])
 @pytest.mark.parametrize("kept_by_the_adapter", [False, True])
+@pytest.mark.parametrize("mapped", [False, True], ids=["in-process", "from-a-worker"])
 def test_the_tied_total_is_the_returned_dE_itself_when_nothing_else_holds_it(
-        dtype: str, precision: str, want: str, kept_by_the_adapter: bool) -> None:
+        dtype: str, precision: str, want: str, kept_by_the_adapter: bool, mapped: bool
+) -> None:
     # dE + the input path its dh implies, added into dE (no [V, d] copy: 1-2 GB at Llama-3's
     # head) only where dE is already in the total's dtype and no one else can see the write
     import numpy as np
@@ -217,6 +219,15 @@ def test_the_tied_total_is_the_returned_dE_itself_when_nothing_else_holds_it(
     rng = np.random.default_rng(3)
     dt = numpy_dtype(dtype)  # type: ignore[arg-type]
     dE = rng.standard_normal((9, 4)).astype(dt)
+    if mapped:  # as a worker's dE arrives: on the block it was written to (Worker.collect)
+        import mmap
+
+        from tyingspec._src.core import memory
+
+        on = memory.over(mmap.mmap(-1, dE.nbytes), dE.shape, dt, write=True)
+        on[...] = dE
+        dE = on
+        del on
     dE[7, 1] = np.inf  # the not_finite finding's: a zero in the total
     tokens = np.array([2, 5, 2, 0])
     rows = rng.standard_normal((4, 4))

@@ -144,6 +144,26 @@ def test_unshared_counts_every_other_holder() -> None:
     assert memory.unshared(a, holders=1)
 
 
+def test_an_array_on_a_mapping_of_its_own_is_unshared_too() -> None:
+    # a worker's dE taken from its block, a large core.memory.empty: this process's own
+    import mmap
+
+    a = memory.over(mmap.mmap(-1, 4096), (32, 32), np.float32, write=True)
+    assert memory.unshared(a, holders=1)
+    view = a[1:]
+    assert not memory.unshared(a, holders=1)
+    del view
+    mapping = a.base
+    assert not memory.unshared(a, holders=1)  # whoever holds the mapping can write into it
+    del mapping
+    assert memory.unshared(a, holders=1)
+    # a mapping tyingspec did not make (a user's file, say) is never written into
+    foreign = mmap.mmap(-1, 4096)
+    b = np.ndarray((32, 32), np.float32, buffer=foreign)
+    del foreign
+    assert not memory.unshared(b, holders=1)
+
+
 def test_a_fresh_dE_is_kept_without_a_copy() -> None:
     ob._LAST.clear()
     target = ob.load("tied", "kernel", "float32")

@@ -49,8 +49,14 @@ def over(mapping: mmap.mmap, shape: tuple[int, ...], dtype: Any, *, write: bool
     """The array of ``shape`` and ``dtype`` at the start of ``mapping``, which it keeps alive;
     its pages faulted in at once (for writing, or for reading what is there)."""
     populate(mapping, write=write)
-    return np.frombuffer(mapping, dtype=np.dtype(dtype),
-                         count=math.prod(shape)).reshape(shape)
+    _MADE.add(mapping)
+    # the mapping itself as the array's base (not a view of a view of it): see unshared
+    return np.ndarray(shape, dtype=np.dtype(dtype), buffer=mapping)
+
+
+#: The mappings :func:`over` put an array on: this process's own (an anonymous mapping, or a
+#: worker's result block, its name unlinked when taken), never a file of the user's.
+_MADE: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
 
 
 def unshared(a: np.ndarray, holders: int) -> bool:
@@ -61,8 +67,16 @@ def unshared(a: np.ndarray, holders: int) -> bool:
     reuses its buffer" (a [V, d] copy is 2.1 GB at Llama-3's head).  Anything uncertain says
     False (a copy stays the safe answer): an array that is a view, a memory-mapped one, and
     interpreters whose counts can be lower than the references (3.14 borrows references on
-    the stack)."""
-    if sys.version_info >= (3, 14) or not a.flags.owndata or weakref.getweakrefcount(a):
+    the stack).  An array on a mapping of :func:`over`'s owns it as much, when it is the whole
+    of the mapping's array and nothing else holds the mapping."""
+    if sys.version_info >= (3, 14) or weakref.getweakrefcount(a):
         return False
+    if not a.flags.owndata:
+        base = a.base
+        # the mapping's references: the array's base, this name and getrefcount's argument
+        # (a WeakSet holds none)
+        if not (isinstance(base, mmap.mmap) and base in _MADE and sys.getrefcount(base) == 3):
+            return False
+        del base
     # getrefcount counts its own argument and this function's parameter
     return sys.getrefcount(a) - 2 == holders
