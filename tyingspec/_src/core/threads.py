@@ -4,9 +4,10 @@ numpy's BLAS products use every core, but its elementwise functions, reductions 
 draws use one.  At GPT-2 size a few of them each pass over a 206 MB [N, V] or a 154 MB [V, d]
 array (the reference's softmax, the batch's E): on a 2-core machine half of it sits idle while
 they run.  :func:`on_cores` runs one function over independent pieces (blocks of rows) on a
-pool of threads made for the call and joined before it returns, so no thread outlives it (the
-check's worker processes are forked).  Whatever is split must not depend on how: each piece's
-result is its own, so the answer is the same on any number of cores.
+pool of threads made for the call and joined before it returns, so no thread outlives it (a
+fork after it, by a target or by ``multiprocessing``, copies no idle pool).  Whatever is
+split must not depend on how: each piece's result is its own, so the answer is the same on any
+number of cores.
 """
 
 from __future__ import annotations
