@@ -248,3 +248,18 @@ def test_the_tied_total_is_the_returned_dE_itself_when_nothing_else_holds_it(
     tol = tolerance_for(want, float(np.abs(expected).max()))  # type: ignore[arg-type]
     np.testing.assert_allclose(np.asarray(total, np.float64), expected,
                                rtol=tol.rtol, atol=tol.atol)
+
+
+def test_the_kinds_reference_of_a_call_leaves_the_callers_dE_as_it_was() -> None:
+    # KINDS["linear-ce"].reference(..., returned) judges a copy: complete takes over its dE
+    import numpy as np
+
+    from tyingspec._src.engine.observe import batch_for, call
+
+    target = load("ce-numpy", "linear-ce")
+    case = next(c for c in standard_ce_cases(0) if c.name == "ce-plain")
+    _, batch = batch_for(target, case)
+    returned = call(target, batch)
+    raw = returned.dE.copy()
+    KINDS["linear-ce"].reference(batch, KINDS["linear-ce"].inputs(batch), "float64", returned)
+    np.testing.assert_array_equal(returned.dE, raw)

@@ -150,7 +150,9 @@ def _scalar(loss: Any, grad_output: Array | None) -> float:
 def complete(batch: Batch, inp: dict[str, Any], precision: str,
              returned: Returned) -> tuple[Returned, Paths]:
     """The kernel's outputs judged (findings), and the tie: the returned tied gradient (its dE
-    plus the input path its dh implies) with the reference's two paths."""
+    plus the input path its dh implies) with the reference's two paths.  ``returned`` is taken
+    over: its dE may become the total (see :func:`_tied_total`), so a caller keeps using the
+    Returned this gives back, not the one it gave."""
     V, d = batch.E.shape
     N = batch.tokens.shape[0]
     opts = options_of(batch)

@@ -7,7 +7,10 @@ Torch loads only for a torch-form kernel, inside the call.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
+
+import numpy as np
 
 from tyingspec._src.core.adapters import Returned
 from tyingspec._src.core.cases import Batch, Case
@@ -35,7 +38,10 @@ def _reference(batch: Batch, inputs: Inputs, precision: str,
     if returned is None:
         raise ValueError("a linear-ce kernel's reference includes the input path its dh "
                          "implies: judge a call (tyingspec.observe) instead")
-    return kind.complete(batch, inputs, precision, returned)[1]
+    # complete takes over what it is given (its dE may become the tied total): the caller's
+    # Returned keeps its own
+    return kind.complete(batch, inputs, precision,
+                         replace(returned, dE=np.array(returned.dE, copy=True)))[1]
 
 
 def _unfit(described: dict[str, Any], case: Case) -> str | None:
