@@ -158,6 +158,16 @@ mixtral = _hf("MixtralForCausalLM", "MixtralConfig", **_LLAMA_LIKE, num_local_ex
 qwen2_moe = _hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **_LLAMA_LIKE, num_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=16,
                 shared_expert_intermediate_size=16, decoder_sparse_step=1, **_TIED)
+phimoe = _hf("PhimoeForCausalLM", "PhimoeConfig", **_LLAMA_LIKE, num_local_experts=4,
+             num_experts_per_tok=2, **_TIED)
+olmoe = _hf("OlmoeForCausalLM", "OlmoeConfig", **_LLAMA_LIKE, num_experts=4,
+            num_experts_per_tok=2, pad_token_id=0, **_TIED)
+qwen3_moe = _hf("Qwen3MoeForCausalLM", "Qwen3MoeConfig", **_LLAMA_LIKE, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, **_TIED)
+granitemoe = _hf("GraniteMoeForCausalLM", "GraniteMoeConfig", **_LLAMA_LIKE,
+                 num_local_experts=4, num_experts_per_tok=2, **_TIED)
+gpt_oss = _hf("GptOssForCausalLM", "GptOssConfig", **_LLAMA_LIKE, num_local_experts=4,
+              num_experts_per_tok=2, head_dim=16, **_TIED)
 deepseek_v3 = _hf("DeepseekV3ForCausalLM", "DeepseekV3Config", **_LLAMA_LIKE,
                   moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
                   num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
@@ -879,6 +889,12 @@ ZOO: tuple[ZooEntry, ...] = (
     _correct("gemma3-text", "gemma3", "scaled embedding module (Gemma3TextScaledWordEmbedding)"),
     _correct("mixtral", "mixtral", "MoE experts"),
     _correct("qwen2-moe", "qwen2_moe", "MoE experts plus shared expert"),
+    _correct("phimoe", "phimoe", "sparsemixer samples its experts in train(): micro-batches "
+             "draw other numbers than one batch (that check is n/a, not a failure)"),
+    _correct("olmoe", "olmoe", "MoE experts"),
+    _correct("qwen3-moe", "qwen3_moe", "MoE experts"),
+    _correct("granitemoe", "granitemoe", "MoE experts; logit and embedding multipliers"),
+    _correct("gpt-oss", "gpt_oss", "MoE experts; attention sinks"),
     _correct("deepseek-v3", "deepseek_v3", "MLA attention; MoE after the first layer"),
     _correct("mamba", "mamba", "head returns .float() logits"),
     _correct("mamba2", "mamba2", "head returns .float() logits"),
@@ -934,4 +950,4 @@ ZOO: tuple[ZooEntry, ...] = (
 )
 
 #: The entries the default tier runs (the rest are marked slow).
-FAST = ("gpt2", "llama", "bart", "llama-untied", "gpt2-copy-tie")
+FAST = ("gpt2", "llama", "bart", "llama-untied", "gpt2-copy-tie", "phimoe")
