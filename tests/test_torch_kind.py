@@ -249,3 +249,42 @@ def test_a_check_leaves_the_processs_torch_as_it_found_it() -> None:
         assert torch.equal(torch.random.get_rng_state(), rng)
     finally:
         torch.set_num_threads(threads)
+
+
+_SAMPLING_MODEL = """
+import torch
+from torch import nn
+from tyingspec import TorchTarget
+class M(nn.Module):
+    # tied; the forward draws from torch's generator in train() mode (as PhiMoE's router does)
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 6)
+        self.out = nn.Linear(6, 13, bias=False)
+        self.out.weight = self.emb.weight
+    def forward(self, idx):
+        h = torch.tanh(self.emb(idx))
+        noise = torch.rand(h.shape[:-1] + (1,))  # one draw per token
+        if {uses_noise}:
+            h = h * (1 + noise)
+        if {batch_bug} and idx.shape[0] == 1:  # a bug only micro-batches show
+            h = h * 0.5
+        return self.out(h)
+target = TorchTarget(model=M, batch_size=2, seq_len=5)
+"""
+
+
+@pytest.mark.parametrize("uses_noise, batch_bug, code, finding", [
+    (True, False, 0, "n/a  micro-batches accumulate"),
+    (False, True, 1, "FAIL micro-batches accumulate")])
+def test_a_sampling_forward_excuses_micro_batches_only_where_its_draw_moves_the_gradient(
+        tmp_path: Path, uses_noise: bool, batch_bug: bool, code: int, finding: str) -> None:
+    # a forward whose gradient depends on torch's generator draws other numbers for a
+    # micro-batch: n/a, not wrong; a draw that changes nothing excuses no micro-batch bug
+    (tmp_path / "sampling_model.py").write_text(
+        _SAMPLING_MODEL.format(uses_noise=uses_noise, batch_bug=batch_bug))
+    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", "sampling_model:target",
+                          "--kind", "torch"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == code, run.stdout + run.stderr
+    assert finding in run.stdout, run.stdout
