@@ -91,7 +91,8 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
                         findings=(found,))
     tokens, targets = model_batch(spec, inputs, tie.batch_size, tie.vocab)
     t, y = torch.from_numpy(tokens), torch.from_numpy(targets)
-    loss_of = _scalar(spec, loss_function(target, tie), seed, target.after_backward)
+    raw_loss = loss_function(target, tie)
+    loss_of = _scalar(spec, raw_loss, seed, target.after_backward)
     checks = tuple(inputs.get("checks", CHECKS))
     findings: list[Finding] = [found]
     if found.failed:  # no tie: nothing to keep identical, and two tensors for the optimizer
@@ -122,8 +123,7 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     if "micro_batches" in checks:
         # the same loss under another generator seed: a forward that draws random numbers
         # (a router's sampling) is told from a micro-batch bug by it
-        reseeded = _scalar(spec, loss_function(target, tie), seed + _OTHER_SEED,
-                           target.after_backward)
+        reseeded = _scalar(spec, raw_loss, seed + _OTHER_SEED, target.after_backward)
         findings.append(_micro_batches(build, tie, loss_of, t, y, own, unit, reseeded) if not
                         tie.scale_grad_by_freq else not_applicable(
                             "micro-batches accumulate", _MICRO,
@@ -702,8 +702,7 @@ _OTHER_SEED = 7919
 
 
 def _micro_batches(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
-                   y: torch.Tensor, own: np.ndarray, unit: float,
-                   reseeded: Loss | None = None) -> Finding:
+                   y: torch.Tensor, own: np.ndarray, unit: float, reseeded: Loss) -> Finding:
     check = "micro-batches accumulate"
     invariant = _MICRO
     k = int(t.shape[0])
@@ -736,20 +735,19 @@ def _micro_batches(build: Build, tie: Tie, loss_of: Loss, t: torch.Tensor,
                       f"after {max(k, 2)} micro-batches the tied gradient is the last one's "
                       "alone: the gradient is assigned (`.grad =`), not added, so earlier "
                       "micro-batches are lost")
-    if reseeded is not None:
-        # A forward that draws random numbers in train() mode with dropout off (PhiMoE's
-        # sparsemixer samples its experts) draws other numbers for a micro-batch than for the
-        # whole batch, so the sum rightly differs.  Said so only where the whole batch's own
-        # gradient changes with the generator's seed: a bug is not excused by a draw that
-        # changes nothing.
-        other = build.fresh()
-        _backward(other, reseeded, t, y, 1.0)
-        if not _close(_grad(other, tie), own, count, unit):
-            return not_applicable(
-                check, invariant, "the model's gradient changes with torch's generator in "
-                "train() mode with dropout off (its forward samples, as a router may), so "
-                f"{max(k, 2)} micro-batches draw other numbers than one batch and their "
-                "gradients rightly differ")
+    # A forward that draws random numbers in train() mode with dropout off (PhiMoE's
+    # sparsemixer samples its experts) draws other numbers for a micro-batch than for the
+    # whole batch, so the sum rightly differs.  Said so only where the whole batch's own
+    # gradient changes with the generator's seed: a bug is not excused by a draw that
+    # changes nothing.
+    other = build.fresh()
+    _backward(other, reseeded, t, y, 1.0)
+    if not _close(_grad(other, tie), own, count, unit):
+        return not_applicable(
+            check, invariant, "the model's gradient changes with torch's generator in "
+            "train() mode with dropout off (its forward samples, as a router may), so "
+            f"{max(k, 2)} micro-batches draw other numbers than one batch and their "
+            "gradients rightly differ")
     return failed(check, invariant, "unknown",
                   f"{max(k, 2)} micro-batches do not sum to the whole batch's gradient")
 
