@@ -262,7 +262,7 @@ class Handed(dict[str, Any]):
         wrote, not from the input put back: as it would have been with a copy handed over."""
         if not self.written:
             return out
-        if isinstance(out, dict):
+        if isinstance(out, Mapping):  # as mutated() reads it (_views_of)
             return {k: self._unalias(v) for k, v in out.items()}
         return self._unalias(out)
 
