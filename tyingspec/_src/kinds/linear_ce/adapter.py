@@ -173,9 +173,8 @@ def call_linear_ce(spec: str, fn: Callable[..., Any], inputs: Mapping[str, Any])
     if is_torch_form(fn):
         return _call_torch(spec, fn, inputs)
     takes = supported(fn)
-    for name in ("bias", "grad_output"):
-        if inputs["b" if name == "bias" else name] is not None and name not in takes:
-            # the cases needing it are left out
+    for name, key in (("bias", "b"), ("grad_output", "grad_output")):
+        if inputs[key] is not None and name not in takes:  # the cases needing it are left out
             raise AdapterError(spec, f"takes no {name}, and this case has one",
                                expected=f"a kernel declaring {name} for this case",
                                got=_signature(fn))
