@@ -86,6 +86,12 @@ def test_a_copy_tie_report_leads_with_the_diagnosis(tmp_path: Path,
     assert checks[0]["label"] == "tie_is_a_copy"
 
 
+def _check_in(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``tyingspec check ARGS`` as a user runs it, from ``cwd`` (where the target module is)."""
+    return subprocess.run([sys.executable, "-m", "tyingspec", "check", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
 def test_a_model_without_a_tie_exits_2(tmp_path: Path) -> None:
     (tmp_path / "untied_model.py").write_text(textwrap.dedent("""
         import torch
@@ -100,9 +106,7 @@ def test_a_model_without_a_tie_exits_2(tmp_path: Path) -> None:
         def make():
             return M()
     """))
-    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", "untied_model:make",
-                          "--kind", "torch"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+    run = _check_in(tmp_path, "untied_model:make", "--kind", "torch")
     assert run.returncode == 2, run.stdout + run.stderr
     assert "found no tie" in run.stdout
 
@@ -123,9 +127,7 @@ def test_a_user_module_runs_isolated_with_a_torch_target_spec(tmp_path: Path) ->
                 return self.out(torch.tanh(self.emb(idx)))
         target = TorchTarget(model=M, batch_size=2, seq_len=5)
     """))
-    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", "plain_model:target",
-                          "--kind", "torch"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+    run = _check_in(tmp_path, "plain_model:target", "--kind", "torch")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "V=13 d=6 N=10" in run.stdout
 
@@ -205,9 +207,7 @@ def test_the_probe_model_contract_takes_padding_idx(tmp_path: Path, attr: str, c
                                                     label: str | None) -> None:
     (tmp_path / "padded.py").write_text(PADDED_ADAPTER)
     out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", f"padded:{attr}",
-                          "--padding-idx", "0", "--json", str(out)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+    run = _check_in(tmp_path, f"padded:{attr}", "--padding-idx", "0", "--json", str(out))
     assert run.returncode == code, run.stdout[-2000:]
     payload = json.loads(out.read_text())
     if label is not None:
@@ -218,9 +218,7 @@ def test_the_probe_model_contract_takes_padding_idx(tmp_path: Path, attr: str, c
         assert labels - {"correct", "no_power"}, labels
     # without --padding-idx the adapter is not passed padding_idx: its unpadded contract holds
     if attr == "good":
-        plain = subprocess.run([sys.executable, "-m", "tyingspec", "check", "padded:good",
-                                "--case", "token-zero"], cwd=tmp_path, capture_output=True,
-                               text=True, timeout=300)
+        plain = _check_in(tmp_path, "padded:good", "--case", "token-zero")
         assert plain.returncode == 0, plain.stdout[-2000:]
 
 
@@ -283,8 +281,6 @@ def test_a_sampling_forward_excuses_micro_batches_only_where_its_draw_moves_the_
     # micro-batch: n/a, not wrong; a draw that changes nothing excuses no micro-batch bug
     (tmp_path / "sampling_model.py").write_text(
         _SAMPLING_MODEL.format(uses_noise=uses_noise, batch_bug=batch_bug))
-    run = subprocess.run([sys.executable, "-m", "tyingspec", "check", "sampling_model:target",
-                          "--kind", "torch"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+    run = _check_in(tmp_path, "sampling_model:target", "--kind", "torch")
     assert run.returncode == code, run.stdout + run.stderr
     assert finding in run.stdout, run.stdout
