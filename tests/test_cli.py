@@ -185,3 +185,29 @@ def test_a_json_report_into_a_fifo_writes_into_it_and_leaves_it_a_fifo(tmp_path:
     report = json.loads(got[0])
     assert report["exit_code"] == 0 and report["as_expected"] is True
     assert not [p.name for p in tmp_path.iterdir() if p.name != "report.fifo"]  # no temp left
+
+
+def test_a_check_imports_no_other_subcommands_code() -> None:
+    """Each subcommand's arguments come from its own code; a ``check`` configures only its
+    own, so it starts its worker without importing the experiments (0.1 s), and every other
+    subcommand still parses its arguments and shows in the help."""
+    import subprocess
+
+    probe = textwrap.dedent("""
+        import sys
+        from tyingspec._src.front import cli
+        cli.build_parser(cli._command(sys.argv[1:]))
+        print(sorted(m for m in sys.modules if m.startswith(("tyingspec._src.reproduce",
+                                                             "tyingspec._src.ckpt",
+                                                             "tyingspec._src.front.kill"))))
+    """)
+    ran = subprocess.run([sys.executable, "-c", probe, "check", "tied"], capture_output=True,
+                         text=True, check=True)
+    assert ran.stdout.strip() == "[]", ran.stdout
+    from tyingspec._src.front.cli import _command, build_parser
+
+    assert _command(["check", "tied"]) == "check" and _command(["--help"]) is None
+    args = build_parser(_command(["reproduce", "--all"])).parse_args(["reproduce", "--all"])
+    assert args.command == "reproduce" and args.all
+    help_text = build_parser("check").format_help()
+    assert all(name in help_text for name in ("reproduce", "mutants", "ckpt"))

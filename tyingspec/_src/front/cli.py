@@ -6,7 +6,7 @@ import argparse
 import io
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -68,41 +68,58 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="rewrite --baseline FILE with this run's verdicts")
 
 
-def _add_reproduce(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("reproduce", help="re-derive the weight-tying write-up's experiments")
+def _configure_reproduce(p: argparse.ArgumentParser) -> None:
     from tyingspec._src.reproduce import configure_parser
 
     configure_parser(p)
 
 
-def _add_mutants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("mutants", help="kill matrix: every property against every seeded bug",
-                       description="Run the property suite against the mutant zoo and the "
-                                   "correct styles; exit 0 when every mutant is killed and "
-                                   "every correct style passes.")
+def _configure_mutants(p: argparse.ArgumentParser) -> None:
     from tyingspec._src.front.kill_matrix import configure_parser
 
     configure_parser(p)
 
 
-def _add_ckpt(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("ckpt", help="inspect a checkpoint's tie; convert tied <-> untied",
-                       description="inspect FILE: how the embedding and head are stored; "
-                                   "convert IN OUT --to tied|untied --policy ...: rewrite it.")
+def _configure_ckpt(p: argparse.ArgumentParser) -> None:
     from tyingspec._src.ckpt.command import configure_parser
 
     configure_parser(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: The subcommands other than ``check``: (name, help, description, what adds its arguments).
+_COMMANDS: tuple[tuple[str, str, str | None, Callable[[argparse.ArgumentParser], None]], ...] = (
+    ("reproduce", "re-derive the weight-tying write-up's experiments", None,
+     _configure_reproduce),
+    ("mutants", "kill matrix: every property against every seeded bug",
+     "Run the property suite against the mutant zoo and the correct styles; exit 0 when "
+     "every mutant is killed and every correct style passes.", _configure_mutants),
+    ("ckpt", "inspect a checkpoint's tie; convert tied <-> untied",
+     "inspect FILE: how the embedding and head are stored; convert IN OUT --to tied|untied "
+     "--policy ...: rewrite it.", _configure_ckpt),
+)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with ``command``, one whose other subcommands are named (for the
+    help) but get no arguments.  Adding a subcommand's arguments imports its code: the
+    experiments' alone cost 0.1 s, which a ``tyingspec check`` would pay before it starts
+    its worker."""
     parser = argparse.ArgumentParser(
         prog="tyingspec", description="Verify tied-embedding gradients: which path, which rows.")
     sub = parser.add_subparsers(dest="command")
     _add_check(sub)
-    _add_reproduce(sub)
-    _add_mutants(sub)
-    _add_ckpt(sub)
+    for name, help_, description, configure in _COMMANDS:
+        p = sub.add_parser(name, help=help_, description=description)
+        if command in (None, name):
+            configure(p)
     return parser
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word: the top level has no option that takes
+    a value), or None when it names none of them (then every one is configured)."""
+    first = next(iter(argv), None)
+    return first if first in {"check", *(c[0] for c in _COMMANDS)} else None
 
 
 def _list() -> int:
@@ -322,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (AttributeError, ValueError, io.UnsupportedOperation):
             pass  # main() called with a stderr that is no file (a notebook, a captured test)
     try:
-        parser = build_parser()
+        argv = sys.argv[1:] if argv is None else list(argv)
+        parser = build_parser(_command(argv))
         args = parser.parse_args(argv)
         return _run(args, parser)
     except BrokenPipeError:
