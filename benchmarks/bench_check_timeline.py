@@ -10,7 +10,9 @@ of the worker's protocol wrapped in a timer, and prints every phase as (start, s
 the start counted from this script's first line.  The phases: the worker's launch, the batch
 and reference built while the worker imports the target (``_prepare``), waiting for the import
 (``w.wait_loaded``), each call (``w.submit`` sends the inputs, ``w.collect`` waits for the
-answer), judging, the SGD step and the second call's reference.  One run: read it beside
+answer), judging, the SGD step and the second call's reference.  ``worker loaded`` is when the
+worker's answer to its import arrived (a thread polls the channel, reading nothing), and the
+last line says how much of the reference ran beside the import.  One run: read it beside
 ``bench_check``'s (F) and ``floor_parts``.
 """
 
@@ -25,6 +27,7 @@ import contextlib  # noqa: E402
 import io  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -71,6 +74,37 @@ def quiet_command(argv: Sequence[str]) -> tuple[int, str]:
     return code, lines[-1] if lines else ""
 
 
+def watch_loading(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """``Worker.launch``, followed by a thread that records (as ``worker loaded``) when the
+    worker's first answer, the one to its import, can be read.  It polls without reading, and
+    the engine reads that answer only later, after its reference."""
+    def launched(self: Any) -> None:
+        launch(self)
+        conn = self._conn
+
+        def poll() -> None:
+            try:
+                conn.poll(60.0)
+            except (EOFError, OSError):
+                return
+            EVENTS.append((time.perf_counter() - T0, 0.0, "worker loaded"))
+
+        threading.Thread(target=poll, daemon=True).start()
+    return launched
+
+
+def overlap(events: Sequence[tuple[float, float, str]]) -> str:
+    """How much of the first reference ran before the worker had loaded."""
+    loaded = [s for s, _, name in events if name == "worker loaded"]
+    refs = sorted((s, dt) for s, dt, name in events if name == "reference")
+    if not loaded or not refs:
+        return "the worker's load or the reference was not seen"
+    start, seconds = refs[0]
+    beside = max(0.0, min(start + seconds, loaded[0]) - start)
+    return (f"the reference ran {beside:.2f} s of its {seconds:.2f} s beside the worker's "
+            f"import (loaded at {loaded[0]:.2f} s), {seconds - beside:.2f} s after it")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--V", type=int, default=50257)
@@ -79,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     for name in ("batch_for", "judge", "sgd_step", "_prepare", "first_call"):
         setattr(ob, name, timed(name, getattr(ob, name)))
+    iso.Worker.launch = watch_loading(iso.Worker.launch)  # type: ignore[method-assign]
     for name in ("launch", "wait_loaded", "submit", "collect"):
         setattr(iso.Worker, name, timed(f"w.{name}", getattr(iso.Worker, name)))
     table = ob.KINDS["model"]
@@ -95,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'start':>7} {'seconds':>8}  phase")
     for s, dt, label in sorted(EVENTS):
         print(f"{s:7.2f} {dt:8.2f}  {label}")
+    print(overlap(EVENTS))
     return 0
 
 
