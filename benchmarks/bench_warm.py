@@ -60,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = absent_tokens_batch(shape, 0)
     fb = forward_backward(batch)
     fb()
-    parts = floor_parts(batch)
+    # a warm case has no import to overlap: (R1), the products on the core it leaves free, is
+    # not part of its floor
+    parts = {k: f for k, f in floor_parts(batch).items() if k != "R1"}
     part: dict[str, list[float]] = {k: [] for k in parts}
     t0 = time.perf_counter()
     first = check(TARGET, "model", precision="float32", cases=[case], shrink_budget=0,
