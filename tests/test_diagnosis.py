@@ -119,3 +119,19 @@ def test_diagnosis_does_not_modify_its_inputs() -> None:
     diagnose(dE, paths)
     for a, b in zip(before, (dE, paths.dE_in, paths.dE_out)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_path_scaled_by_k_is_named_with_its_factor_despite_k_times_its_rounding() -> None:
+    """The logit-scale-dropped mutant computes dE_in + 16 dE_out, and its output path carries
+    16 times its rounding.  On this tiny float64 batch (found by a random Hypothesis draw) that
+    rounding alone put one entry 1.3x past the sum's own bound, so the fit of the factor 16 was
+    refused and the rows called output_path_wrong: a bound for ``x dE_in + y dE_out`` must
+    grow with the larger factor."""
+    from tyingspec._src.engine.observe import first_call, load
+
+    case = Case(name="drawn-random", V=2, d=2, N=1, seed=1, composition="random", res=1.0,
+                s_in=1.0, bias=True, dtype="float64", probe=True)
+    o = first_call(load("logit-scale-dropped", "model"), case)
+    assert o.diagnosis.label == "path_scaled", o.diagnosis.headline()
+    assert o.diagnosis.scales is not None
+    np.testing.assert_allclose(o.diagnosis.scales, (1.0, 16.0), rtol=1e-9, atol=1e-12)

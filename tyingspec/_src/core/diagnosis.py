@@ -245,9 +245,11 @@ class _Dense:
                 self.dout.astype(np.float64))
 
     def lin_ok(self, x: float, y: float) -> np.ndarray:
-        """Per row: is it within its bound of ``x dE_in + y dE_out``?"""
+        """Per row: is it within its bound of ``x dE_in + y dE_out``?  A path taken ``k``
+        times carries ``k`` times its rounding (see :func:`_amplification`)."""
         actual, d_in, d_out = self._whole
-        return _rows_close(self.tol, actual, x * d_in + y * d_out)
+        return _rows_close(self.tol.amplified(_amplification(x, y)), actual,
+                           x * d_in + y * d_out)
 
     def columns(self) -> tuple[Array, Array, Array]:
         """``actual``, ``dE_in`` and ``dE_out`` as flat float64 vectors (for the fits)."""
@@ -292,13 +294,13 @@ class _Sketched:
     # Both parts are compared a block of rows at a time: whole-part temporaries are 12 MB
     # each at GPT-2 size, and every fresh one costs its page faults again.
 
-    def _allow_e(self, expected: Array, rows: slice) -> Array:
-        out: Array = np.maximum(self.atol_e[rows] + self.tol.rtol * np.abs(expected),
+    def _allow_e(self, expected: Array, rows: slice, k: float = 1.0) -> Array:
+        out: Array = np.maximum(k * self.atol_e[rows] + self.tol.rtol * np.abs(expected),
                                 np.finfo(np.float64).tiny)
         return out
 
-    def _allow_s(self, y: float, rows: slice) -> Array:
-        out: Array = np.maximum(self.atol_s[rows] + self.tol.rtol * abs(y) * self.mag[rows],
+    def _allow_s(self, y: float, rows: slice, k: float = 1.0) -> Array:
+        out: Array = np.maximum(k * self.atol_s[rows] + self.tol.rtol * abs(y) * self.mag[rows],
                                 np.finfo(np.float64).tiny)
         return out
 
@@ -338,12 +340,14 @@ class _Sketched:
         """Per row: is it within its bound of ``x dE_in + y dE_out``?  (dE_in is zero on the
         projected rows: they are the tokens absent from the batch.)"""
         ok = np.zeros(self.exact.shape[0] + self.sk.shape[0], dtype=bool)
+        k = _amplification(x, y)
         for b in self._blocks(self.exact):
             cand = x * self.i_e[b] + y * self.o_e[b]
-            ok[self.exact[b]] = (np.abs(self.a_e[b] - cand) <= self._allow_e(cand, b)).all(axis=1)
+            ok[self.exact[b]] = (np.abs(self.a_e[b] - cand)
+                                 <= self._allow_e(cand, b, k)).all(axis=1)
         for b in self._blocks(self.sk):
             ok[self.sk[b]] = (np.abs(self.p_a[b] - y * self.p_o[b])
-                              <= self._allow_s(y, b)).all(axis=1)
+                              <= self._allow_s(y, b, k)).all(axis=1)
         return ok
 
     def columns(self) -> tuple[Array, Array, Array]:
@@ -351,6 +355,14 @@ class _Sketched:
         return (np.concatenate([self.a_e.reshape(-1), self.p_a.reshape(-1)]),
                 np.concatenate([self.i_e.reshape(-1), np.zeros(self.p_o.size)]),
                 np.concatenate([self.o_e.reshape(-1), self.p_o.reshape(-1)]))
+
+
+def _amplification(x: float, y: float) -> float:
+    """How much larger the rounding of ``x dE_in + y dE_out`` can be than that of the sum: a
+    path taken ``x`` times carries ``x`` times its rounding (a logit scale left out of the
+    head's backward multiplies the output path, rounding and all, by 16).  Below 1 the
+    reference's own rounding, which the bound also counts, stays as it is."""
+    return max(1.0, abs(x), abs(y))
 
 
 def _simple(x: float, n: int) -> bool:

@@ -110,6 +110,11 @@ class Tolerance:
         out: np.ndarray = np.abs(actual - expected) <= self.atol + self.rtol * np.abs(expected)
         return out
 
+    def amplified(self, k: float) -> Tolerance:
+        """The bound of a result in which a path entered ``k`` times larger (``k >= 1``): the
+        path's rounding grew with it, so ``atol`` does (``rtol`` already follows the value)."""
+        return self if k == 1 else Tolerance(self.atol * k, self.rtol, self.dtype)
+
     def rows(self, rows: np.ndarray) -> Tolerance:
         """The tolerance restricted to some rows (per-row atol follows them)."""
         if np.ndim(self.atol) == 0:
