@@ -146,19 +146,28 @@ def _output_from_x(batch: Batch, paths: Paths) -> Array:
     return _f64(paths.dE_in) + p.g.T @ p.x
 
 
-def _scaled_paths_fit(actual: Array, paths: Paths, tol: Tolerance) -> bool:
+def _scaled_paths_fit(actual: Array, paths: Paths, tol: Tolerance,
+                      claimed: tuple[float, float] | None = None) -> bool:
     """Whether ``actual`` is a*dE_in + c*dE_out for some a, c (small batches can make any
-    wrong output path look like a scaled one: then path_scaled is the right diagnosis)."""
+    wrong output path look like a scaled one: then path_scaled is the right diagnosis): the
+    least-squares pair, or the pair the diagnosis ``claimed``, within the bound, a path taken k
+    times allowed k times its rounding.  Least squares weighs every entry alike, so on a row
+    whose bound is tight it can miss a pair (one factor exactly 1, the other rounded) that
+    fits every row; the claimed pair is checked here, not trusted."""
     d_in, d_out = _f64(paths.dE_in), _f64(paths.dE_out)
     A = np.stack([d_in.reshape(-1), d_out.reshape(-1)], axis=1)
     coef, *_ = np.linalg.lstsq(A, actual.reshape(-1), rcond=None)
-    return bool(tol.close(actual, coef[0] * d_in + coef[1] * d_out).all())
+    pairs = [(float(coef[0]), float(coef[1]))] + ([claimed] if claimed is not None else [])
+    return any(bool(tol.amplified(max(1.0, abs(a), abs(c))).close(actual, a * d_in + c * d_out)
+                    .all()) for a, c in pairs)
 
 
-def _fitting_labels(actual: Array, paths: Paths, tol: Tolerance) -> set[str]:
+def _fitting_labels(actual: Array, paths: Paths, tol: Tolerance,
+                    claimed: tuple[float, float] | None = None) -> set[str]:
     """Catalogue explanations that fit ``actual`` within ``tol``.  On a weak example two can
     fit at once (e.g. dE_in ~ dE_out on the one present row: overwritten and input-missing look
-    alike); the diagnosis names the first it tries, and that is not a wrong diagnosis."""
+    alike); the diagnosis names the first it tries, and that is not a wrong diagnosis.
+    ``claimed``: the path factors the diagnosis fitted, checked by :func:`_scaled_paths_fit`."""
     d_in, d_out = _f64(paths.dE_in), _f64(paths.dE_out)
     present = _present(paths, d_in.shape[0])[:, None]
     candidates = {"input_path_missing": [d_out], "output_path_missing": [d_in],
@@ -167,7 +176,7 @@ def _fitting_labels(actual: Array, paths: Paths, tol: Tolerance) -> set[str]:
                                                  for w in ("first", "last")]}
     fit = {label for label, cands in candidates.items()
            if any(tol.close(actual, c).all() for c in cands)}
-    return fit | ({"path_scaled"} if _scaled_paths_fit(actual, paths, tol) else set())
+    return fit | ({"path_scaled"} if _scaled_paths_fit(actual, paths, tol, claimed) else set())
 
 
 def _seeing_lower(o: Observation) -> Precision | None:
@@ -273,7 +282,7 @@ def _combination(mutant: str, statement: str, candidate: Candidate, labels: Labe
                                         "where neither path is visible", conc, diag)
             return
         allowed = labels(o)
-        fits = _fitting_labels(actual, o.paths, tol)
+        fits = _fitting_labels(actual, o.paths, tol, diag.scales)
         if _limited_by_precision(o, cand, ref):
             fits.add("precision_limited")
         if allowed is not None and diag.label not in allowed | fits:
@@ -346,7 +355,8 @@ def _wrong_output_path(o: Observation, actual: Array) -> set[str] | None:
     ambiguous = bool((wrong & ~absent).any()) and rows.shape[0] <= o.case.N and \
         misrouted_input_fits(o.paths, rows, actual[rows] - _f64(o.paths.dE_out)[rows], tol)
     return {"output_path_wrong"} | ({"unknown"} if ambiguous else set()) | (
-        {"path_scaled"} if _scaled_paths_fit(actual, o.paths, tol) else set())
+        {"path_scaled"} if _scaled_paths_fit(actual, o.paths, tol, o.diagnosis.scales)
+        else set())
 
 
 _combination("output-path-from-x", "dE_in + g.T @ x (absent rows wrong)", _output_from_x,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from tyingspec.properties import PROPERTIES
-from tyingspec.properties._signatures import SIGNATURES, missing_signatures
+from tyingspec.properties._signatures import SIGNATURES, SignatureMismatch, missing_signatures
 
 from tyingspec import LABELS, REGISTRY, Case, Implementation, load
 from tyingspec._src.front.kill_matrix import (
@@ -121,6 +121,30 @@ def test_mutant_shows_its_fingerprint_on_drawn_batches(name: str, kind: str) -> 
         sig.check(target, case)
 
     fingerprint()
+
+
+# Draws random Hypothesis seeds found (2026-12-03), each a fingerprint the check above once
+# refused: (mutant, case, why).
+DRAWN_FAILURES = [
+    ("logit-scale-dropped",
+     Case(name="drawn-random", V=2, d=2, N=1, seed=1, composition="random", bias=True,
+          dtype="float64"),
+     "dE_in + 16 dE_out carries 16x the output path's rounding: the factor's fit was refused"),
+    ("output-path-from-x",
+     Case(name="drawn-random", V=29, d=1, N=2, seed=969899, composition="random", res=0.6,
+          bias=False, dtype="float32"),
+     "at d = 1, g.T @ x is 1.87064 g.T @ h within the bound: the diagnosis's one factor fits "
+     "every row, least squares over both factors does not"),
+]
+
+
+@pytest.mark.parametrize("name,case,why", DRAWN_FAILURES, ids=[f[0] for f in DRAWN_FAILURES])
+def test_fingerprints_once_refused_on_drawn_batches_hold(name: str, case: Case, why: str) -> None:
+    reset_state()
+    try:
+        SIGNATURES[name].check(load(name, "model"), case)
+    except SignatureMismatch as exc:
+        pytest.fail(f"{why}: {exc}")
 
 
 def test_the_matrix_scores_a_surviving_mutant_below_100_percent_and_exits_1(
