@@ -20,6 +20,7 @@ their own checks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -162,6 +163,33 @@ def _scaled_paths_fit(actual: Array, paths: Paths, tol: Tolerance,
                     .all()) for a, c in pairs)
 
 
+#: Occurrences of one token up to which every subset of them is tried (2^12 sums).
+_SUBSETS_UP_TO = 12
+
+
+def _lost_occurrences_fit(actual: Array, paths: Paths, tol: Tolerance) -> bool:
+    """Whether every wrong row is a repeated token's and holds, with its output path, a proper
+    non-empty subset of that token's occurrences within its bound: a scatter that lost some of
+    them.  With few entries per row, the occurrences of one token are nearly parallel (the same
+    x, only g differs), so a stray factor on the input path can look like two of four of them,
+    and the diagnosis may name either."""
+    d_in, d_out = _f64(paths.dE_in), _f64(paths.dE_out)
+    wrong = np.flatnonzero(~tol.close(actual, d_in + d_out).all(axis=1))
+    rows = _f64(paths.per_position)
+
+    def holds_some(r: int) -> bool:
+        where = np.flatnonzero(paths.tokens == r)
+        if not 2 <= where.shape[0] <= _SUBSETS_UP_TO:
+            return False
+        bound = tol.rows(np.array([r]))
+        return any(bool(bound.close(actual[r:r + 1], rows[list(sub)].sum(axis=0, keepdims=True)
+                                    + d_out[r:r + 1]).all())
+                   for size in range(1, where.shape[0])
+                   for sub in itertools.combinations(where, size))
+
+    return bool(wrong.shape[0]) and all(holds_some(int(r)) for r in wrong)
+
+
 def _fitting_labels(actual: Array, paths: Paths, tol: Tolerance,
                     claimed: tuple[float, float] | None = None) -> set[str]:
     """Catalogue explanations that fit ``actual`` within ``tol``.  On a weak example two can
@@ -176,6 +204,8 @@ def _fitting_labels(actual: Array, paths: Paths, tol: Tolerance,
                                                  for w in ("first", "last")]}
     fit = {label for label, cands in candidates.items()
            if any(tol.close(actual, c).all() for c in cands)}
+    if _lost_occurrences_fit(actual, paths, tol):
+        fit.add("duplicates_not_accumulated")
     return fit | ({"path_scaled"} if _scaled_paths_fit(actual, paths, tol, claimed) else set())
 
 

@@ -135,6 +135,11 @@ DRAWN_FAILURES = [
           bias=False, dtype="float32"),
      "at d = 1, g.T @ x is 1.87064 g.T @ h within the bound: the diagnosis's one factor fits "
      "every row, least squares over both factors does not"),
+    ("s-in-missing-in-backward",
+     Case(name="drawn-one-token", V=24, d=2, N=4, seed=8101, composition="one-token", res=0.0,
+          s_in=1.7, bias=False, dtype="float32"),
+     "one token four times at d = 2: its input path / 1.7 is also two of its four occurrences "
+     "within the float32 bound, and the diagnosis names that (duplicates)"),
 ]
 
 
