@@ -507,6 +507,24 @@ def _abs_rows(E: Array) -> tuple[Array, float]:
     return row_max, sum_max
 
 
+def input_path_terms(tokens: IntArray, rows_inf: Array, dh_terms: Array, W: Array, res: float,
+                     s_in: float, V: int) -> Array:
+    """The input path's part of each row's bound: the sum of its occurrences' ``rows_inf``
+    (max |s_in dx[n]|), and their rounding.  dx[n] carries the rounding of dh[n] = g[n] @ E,
+    whose terms (``dh_terms[n]``; the probe model's: sum_v |g[n, v]| max_j |E[v, j]|) can be
+    much larger than their sum: g sums to 0, and a softmax saturated at its target has
+    p - 1 ~ 0, rounded at 1.
+    The body takes dh to dx through ``res`` and ``W``.  Those per-position rounding errors are
+    independent, so they add in quadrature over a token's occurrences: a token seen 1024 times
+    keeps a bound that can still tell a lost occurrence."""
+    w_inf = float(np.abs(np.asarray(W, dtype=np.float64)).sum(axis=1).max(initial=0.0))
+    cancel = abs(s_in) * np.asarray(dh_terms, np.float64) * (abs(res) + w_inf)
+    summed = np.bincount(tokens, weights=rows_inf, minlength=V)[:V]
+    rounded = np.sqrt(np.bincount(tokens, weights=cancel * cancel, minlength=V)[:V])
+    out: Array = np.asarray(summed + rounded, dtype=np.float64)
+    return out
+
+
 def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: IntArray,
                 targets: IntArray, res: float, s_in: float, p: Parts, Z: Array | None = None
                 ) -> tuple[Terms, tuple[Array, Array] | None]:
@@ -521,15 +539,8 @@ def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: In
     e_max = float(e_rows.max(initial=0))
     if E_in is not E_out:  # tied: one matrix, one pass
         e_max = max(e_max, float(_abs_rows(E_in)[0].max(initial=0)))
-    # Each occurrence adds its own |s_in dx[n]|, and dx[n] carries the rounding of dh = g @ E,
-    # whose terms can be much larger than their sum (g sums to 0).  Those per-position
-    # rounding errors are independent, so they add in quadrature over a token's occurrences:
-    # a token seen 1024 times keeps a bound that can still tell a lost occurrence.
-    w_inf = float(np.abs(np.asarray(W, dtype=np.float64)).sum(axis=1).max(initial=0.0))
-    dx_inf = abs(s_in) * _abs_max_rows(p.dx)
-    cancel = abs(s_in) * dh_terms * (abs(res) + w_inf)
-    in_rows = np.bincount(tokens, weights=dx_inf, minlength=V)[:V] + np.sqrt(
-        np.bincount(tokens, weights=cancel * cancel, minlength=V)[:V])
+    in_rows = input_path_terms(tokens, abs(s_in) * _abs_max_rows(p.dx), dh_terms, W, res,
+                               s_in, V)
     b_max = 0.0 if b is None else float(np.abs(b).max(initial=0.0))
     logit = float(h_inf.max(initial=0.0)) * row_sum_max + b_max
     k = d + n + float(np.sqrt(V)) + logit

@@ -35,6 +35,7 @@ from tyingspec._src.core.paths import (
     OutputPath,
     Paths,
     draw_directions,
+    input_path_terms,
     row_block,
     scatter_rows,
     segment_sums,
@@ -176,13 +177,20 @@ def complete(batch: Batch, inp: dict[str, Any], precision: str,
     rows_ker = body_rows(batch, t.astype(np.float64), dh)
     tokens: IntArray = batch.tokens
     h_inf = np.abs(h).max(axis=1, initial=0.0).astype(np.float64)
-    in_terms = np.bincount(tokens, weights=np.abs(rows_ref).max(axis=1, initial=0.0)
-                           .astype(np.float64), minlength=V)[:V]
     # the largest logit enters k as in the probe model's bound: a softmax of logits near 1e4
     # rounds at 1e4 * u before any reduction
     zmag = opts.logit_scale * (float(h_inf.max(initial=0.0)) * _abs_row_sum_max(batch.E) + (
         0.0 if batch.b is None else float(np.abs(batch.b).max(initial=0.0))))
     k = float(N + d + np.sqrt(V) + 1 + zmag)
+    # The kernel's dh carries the rounding of its target entry p - 1 even where that cancels
+    # to ~0 (a softmax saturated at its target), and the input path it implies carries it
+    # too: without it a correct kernel's tied row was 1.24x past its bound there (logits
+    # 1e4, float32).  That is a few roundings of one entry (exp, the sum, the division), so
+    # it is counted as 4 of them, not as a k-term reduction: counted k times, or with all of
+    # dh's terms as the probe model's bound counts them, it took every bfloat16 case's power.
+    in_terms = input_path_terms(tokens, np.abs(rows_ref).max(axis=1, initial=0.0)
+                                .astype(np.float64), ref.dh_target_terms * (4.0 / k),
+                                batch.W, batch.res, batch.s_in, V)
     terms = Terms(rows=ref.dE_terms + in_terms, k=k,
                   loss=float(np.abs(np.asarray(ref.loss, np.float64)).sum()) + 1.0 + zmag,
                   db=ref.db_terms)

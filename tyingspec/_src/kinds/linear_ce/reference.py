@@ -108,6 +108,9 @@ class CEResult:
     # which can be far larger than the sums (softmax rows sum to ~0).
     dE_terms: np.ndarray  # [V]
     dh_terms: np.ndarray  # [N]
+    # per row i of dh, the target entry's share of dh_terms: where the softmax is saturated at
+    # the target, dz_iy = p - 1 ~ 0 is still rounded at 1, and this is what that costs dh
+    dh_target_terms: np.ndarray  # [N]
     db_terms: np.ndarray  # [V] per entry of db: sum_i of the magnitudes of dz's terms
     # With directions Z [d, k]: dE @ Z and its magnitudes, the same terms' sizes times
     # |h| @ |Z| ([V, k] float64 each; what a ``core.paths.Sketch`` judges rows through)
@@ -273,6 +276,7 @@ def linear_ce(
     per_token = np.zeros(N, dtype=dt)
     dE_terms = np.zeros(V)
     dh_terms = np.zeros(N)
+    dh_target_terms = np.zeros(N)
     db_terms = np.zeros(V)
     h_max = np.abs(hh).max(axis=1, initial=0).astype(dt)
     E_max = np.abs(EE).max(axis=1, initial=0).astype(dt)
@@ -329,6 +333,7 @@ def linear_ce(
         dz[lo:hi] = p
         dE_terms += (mag.T @ h_max[lo:hi]).astype(np.float64)
         dh_terms[lo:hi] = mag @ E_max
+        dh_target_terms[lo:hi] = mag[r, y_safe[lo:hi]] * E_max[y_safe[lo:hi]]
         db_terms += mag.sum(axis=0).astype(np.float64)
         if Z is not None:
             proj += p.T @ hz[lo:hi]
@@ -347,5 +352,5 @@ def linear_ce(
     dE: np.ndarray | OutputPath = OutputPath(dz, hh) if factored else dz.T @ hh
     db = dz.sum(axis=0, dtype=dt) if bb is not None else None
     return CEResult(loss=loss, dh=dh, dE=dE, db=db, dz=dz, dE_terms=dE_terms,
-                    dh_terms=dh_terms, db_terms=db_terms,
+                    dh_terms=dh_terms, dh_target_terms=dh_target_terms, db_terms=db_terms,
                     projected=None if Z is None else (proj, proj_mag))
