@@ -32,7 +32,7 @@ from tyingspec._src.core.diagnosis import Diagnosis, diagnose, misrouted_input_f
 from tyingspec._src.core.paths import Array, Paths, closed_form_paths, forward_parts, scatter_rows
 from tyingspec._src.core.render import batch_lines, diagnosis_lines
 from tyingspec._src.core.strategies import LEAVING_ROWS_ABSENT, REPEATING, cases
-from tyingspec._src.core.tolerance import LOWER, Precision, Tolerance
+from tyingspec._src.core.tolerance import LOWER, Precision, Tolerance, amplification
 from tyingspec._src.engine.observe import (
     AFTER_STEP,
     FIRST_CALL,
@@ -159,7 +159,7 @@ def _scaled_paths_fit(actual: Array, paths: Paths, tol: Tolerance,
     A = np.stack([d_in.reshape(-1), d_out.reshape(-1)], axis=1)
     coef, *_ = np.linalg.lstsq(A, actual.reshape(-1), rcond=None)
     pairs = [(float(coef[0]), float(coef[1]))] + ([claimed] if claimed is not None else [])
-    return any(bool(tol.amplified(max(1.0, abs(a), abs(c))).close(actual, a * d_in + c * d_out)
+    return any(bool(tol.amplified(amplification(a, c)).close(actual, a * d_in + c * d_out)
                     .all()) for a, c in pairs)
 
 

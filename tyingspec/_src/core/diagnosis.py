@@ -21,7 +21,13 @@ from tyingspec._src.core.labels import (
 )
 from tyingspec._src.core.labels import Label as Label
 from tyingspec._src.core.paths import Array, Paths, Sketch
-from tyingspec._src.core.tolerance import Precision, Tolerance, precision_of, row_tolerance
+from tyingspec._src.core.tolerance import (
+    Precision,
+    Tolerance,
+    amplification,
+    precision_of,
+    row_tolerance,
+)
 
 if TYPE_CHECKING:
     from tyingspec._src.core.findings import Finding
@@ -246,9 +252,9 @@ class _Dense:
 
     def lin_ok(self, x: float, y: float) -> np.ndarray:
         """Per row: is it within its bound of ``x dE_in + y dE_out``?  A path taken ``k``
-        times carries ``k`` times its rounding (see :func:`_amplification`)."""
+        times carries ``k`` times its rounding (see ``core.tolerance.amplification``)."""
         actual, d_in, d_out = self._whole
-        return _rows_close(self.tol.amplified(_amplification(x, y)), actual,
+        return _rows_close(self.tol.amplified(amplification(x, y)), actual,
                            x * d_in + y * d_out)
 
     def columns(self) -> tuple[Array, Array, Array]:
@@ -340,7 +346,7 @@ class _Sketched:
         """Per row: is it within its bound of ``x dE_in + y dE_out``?  (dE_in is zero on the
         projected rows: they are the tokens absent from the batch.)"""
         ok = np.zeros(self.exact.shape[0] + self.sk.shape[0], dtype=bool)
-        k = _amplification(x, y)
+        k = amplification(x, y)
         for b in self._blocks(self.exact):
             cand = x * self.i_e[b] + y * self.o_e[b]
             ok[self.exact[b]] = (np.abs(self.a_e[b] - cand)
@@ -355,14 +361,6 @@ class _Sketched:
         return (np.concatenate([self.a_e.reshape(-1), self.p_a.reshape(-1)]),
                 np.concatenate([self.i_e.reshape(-1), np.zeros(self.p_o.size)]),
                 np.concatenate([self.o_e.reshape(-1), self.p_o.reshape(-1)]))
-
-
-def _amplification(x: float, y: float) -> float:
-    """How much larger the rounding of ``x dE_in + y dE_out`` can be than that of the sum: a
-    path taken ``x`` times carries ``x`` times its rounding (a logit scale left out of the
-    head's backward multiplies the output path, rounding and all, by 16).  Below 1 the
-    reference's own rounding, which the bound also counts, stays as it is."""
-    return max(1.0, abs(x), abs(y))
 
 
 def _simple(x: float, n: int) -> bool:

@@ -97,6 +97,14 @@ class Terms:
         return cls(rows=a, k=float(d_in.shape[1] + 1))
 
 
+def amplification(*factors: float) -> float:
+    """How much larger the rounding of ``x dE_in + y dE_out`` (``factors`` x and y) can be
+    than that of the sum: a path taken ``x`` times carries ``x`` times its rounding (a logit
+    scale left out of the head's backward multiplies the output path, rounding and all, by
+    16).  Below 1 the reference's own rounding, which the bound also counts, stays as it is."""
+    return max(1.0, *(abs(f) for f in factors))
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """Entry ``a`` matches ``e`` when ``|a - e| <= atol + rtol * |e|``; ``atol`` may be one
@@ -111,8 +119,9 @@ class Tolerance:
         return out
 
     def amplified(self, k: float) -> Tolerance:
-        """The bound of a result in which a path entered ``k`` times larger (``k >= 1``): the
-        path's rounding grew with it, so ``atol`` does (``rtol`` already follows the value)."""
+        """The bound of a result in which a path entered ``k`` times larger (``k >= 1``, see
+        :func:`amplification`): the path's rounding grew with it, so ``atol`` does (``rtol``
+        already follows the value)."""
         return self if k == 1 else Tolerance(self.atol * k, self.rtol, self.dtype)
 
     def rows(self, rows: np.ndarray) -> Tolerance:
