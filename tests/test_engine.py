@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -200,3 +201,79 @@ def test_the_cli_and_the_plugin_offer_exactly_the_engines_precisions() -> None:
     check = build_parser()._subparsers._group_actions[0].choices["check"]  # type: ignore[union-attr]
     action = next(a for a in check._actions if a.dest == "precision")
     assert tuple(action.choices) == PRECISION_CHOICES == PRECISIONS
+
+
+# ---- a model's second call, sent to its worker before the first call is judged -------------
+
+_MUTANTS = "tyingspec._src.kinds.probe.mutants"
+
+
+def test_a_workers_second_call_is_out_while_the_first_is_judged_and_names_a_copied_tie(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tyingspec._src.engine.observe as ob
+
+    target = ob.load(f"{_MUTANTS}:_copy_tie", "model")
+    assert target.worker is not None
+    out: list[bool] = []
+    real = ob.judge
+
+    def spy(*args: object) -> object:
+        out.append(target.worker is not None and target.worker._running is not None)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ob, "judge", spy)
+    try:
+        obs = ob.observe(target, standard_cases(0)[0])
+    finally:
+        target.close()
+    # the first call judged with the second in the worker; the second once it is back
+    assert out == [True, False]
+    assert obs.stage == ob.AFTER_STEP and obs.label == "tie_is_a_copy"
+
+
+def test_a_first_call_found_wrong_drops_the_second_call_it_sent_and_the_worker_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tyingspec._src.engine.isolation as iso
+    import tyingspec._src.engine.observe as ob
+
+    sent: list[int] = []
+    real = iso.Worker.submit
+
+    def counting(self: iso.Worker, inputs: dict[str, object]) -> None:
+        sent.append(len(np.asarray(inputs["tokens"]).reshape(-1)))
+        real(self, inputs)
+
+    monkeypatch.setattr(iso.Worker, "submit", counting)
+    target = ob.load(f"{_MUTANTS}:_output_from_x", "model")
+    assert target.worker is not None
+    try:
+        for case in standard_cases(0)[:2]:
+            obs = ob.observe(target, case)
+            assert obs.stage == ob.FIRST_CALL and obs.label == "output_path_wrong"
+            assert target.worker._running is None  # collected: the worker is free
+    finally:
+        target.close()
+    # each case: its first call, and the second call sent before the first was found wrong
+    assert len(sent) == 4
+
+
+def test_an_error_while_the_second_call_is_out_ends_that_worker_and_the_next_case_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tyingspec._src.engine.observe as ob
+
+    target = ob.load(f"{_MUTANTS}:_f32_model", "model", "float32")
+    assert target.worker is not None
+    case = replace(standard_cases(0)[0], dtype="float32")
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("a judge that fails")
+
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(ob, "judge", broken)
+            with pytest.raises(RuntimeError, match="a judge that fails"):
+                ob.observe(target, case)
+        assert target.worker._proc is None and target.worker._running is None
+        assert ob.observe(target, case).status == "correct"  # a fresh worker
+    finally:
+        target.close()

@@ -19,7 +19,9 @@ One observation:
 6. call again, as the kind says: a model after one SGD step with the dE it returned (on the
    first ``SECOND_CALL_POSITIONS`` positions), a kernel on the same inputs.  A tie that is a
    copy, or a gradient buffer never zeroed, is right on the first call and wrong from the
-   second on, and is named as such (``tie_is_a_copy``, ``gradient_not_zeroed``).
+   second on, and is named as such (``tie_is_a_copy``, ``gradient_not_zeroed``).  A model in
+   a worker gets its second call before its first is judged (the step needs only its dE), and
+   the judgement runs while the worker computes; a first call found wrong drops it.
 """
 
 from __future__ import annotations
@@ -200,12 +202,19 @@ def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
 
 
 def _invoke(target: Target, inputs: dict[str, Any]) -> Returned:
-    if target.table.takes_precision:
-        inputs = inputs | {"precision": target.precision}
+    inputs = _sent(target, inputs)
     if target.worker is not None:
         returned: Returned = target.worker.invoke(inputs)
         return returned
     return target.table.invoke(target.spec, target.fn, inputs)
+
+
+def _sent(target: Target, inputs: dict[str, Any]) -> dict[str, Any]:
+    """What a call of ``target`` is handed: the kind's inputs, and the precision where the
+    kind takes it."""
+    if target.table.takes_precision:
+        return inputs | {"precision": target.precision}
+    return inputs
 
 
 def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
@@ -468,9 +477,13 @@ def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
     return case.with_batch(batch.tokens, batch.targets), batch
 
 
-def first_call(target: Target, case: Case, **overrides: Any) -> Observation:
+def first_call(target: Target, case: Case, *,
+               before_judging: Callable[[Batch, Returned], None] | None = None,
+               **overrides: Any) -> Observation:
     """Steps 1-5 of the module docstring: one call, judged; ``overrides`` replace inputs of
-    the call (a torch property asks for its own checks only)."""
+    the call (a torch property asks for its own checks only).  ``before_judging(batch,
+    returned)`` runs once the call and its reference are in, before the judgement (what
+    :func:`observe` sends the worker meanwhile)."""
     prepared = None if overrides else target._prepared.pop(case, None)
     if prepared is None:
         case, batch = batch_for(target, case)
@@ -481,6 +494,8 @@ def first_call(target: Target, case: Case, **overrides: Any) -> Observation:
         case, batch = prepared.case, prepared.batch
         inputs, returned, paths, precision = _called(target, batch, prepared.inputs,
                                                      prepared.paths)
+    if before_judging is not None:
+        before_judging(batch, returned)
     return Observation(case, batch, returned, paths, precision,
                        judge(returned, paths, precision), inputs=inputs)
 
@@ -554,26 +569,47 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
     """Observe ``target`` on ``case``: the first call and the kind's second call (after one SGD
     step, or a repeat); returns the observation that decides the verdict (the second call's
     when it reveals a bug the first did not).  ``overrides`` replace inputs of the call."""
-    first = _remember(target, first_call(target, case, **overrides))
+    sgd = step and target.table.second_call == "sgd_step"
+    sent: list[_Stepped | None] = []
+    # A model's second call depends on the first's dE alone, not on its judgement: in a worker
+    # it is sent before that judgement, which then runs beside it (mostly one core of numpy
+    # passes over [V, d], while the call itself waits on its own).  A first call found wrong
+    # ends the observation as before; its second call is collected and dropped.
+    early = (lambda b, r: sent.append(_send_step(target, b, r))) \
+        if sgd and target.worker is not None else None
+    try:
+        first = _remember(target, first_call(target, case, before_judging=early, **overrides))
+    except BaseException:
+        if sent and sent[0] is not None and target.worker is not None:
+            target.worker.stop(wait=False)  # a call still out: the next starts a fresh worker
+        raise
     if not step or first.diagnosis.wrong or target.table.second_call == "none":
+        if sent and sent[0] is not None:
+            _drop(target)
         return first
     lr = 0.0
     batch = first.batch
-    if target.table.second_call == "sgd_step":
-        moved = sgd_step(first.batch, first.returned.dE)
-        if moved is None:
+    stepped: _Stepped | None = sent[0] if sent else \
+        _step_of(target, first.batch, first.returned.dE) if sgd else None
+    if sgd:
+        if stepped is None:
             return first
-        stepped, lr = moved
-        keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
-        batch = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
+        batch, lr = stepped.batch, stepped.lr
     inputs = first.inputs
     if batch is first.batch:  # a repeat: the same inputs, and their reference if it still fits
         returned = _invoke(target, inputs)
         precision = precision_for(target, returned)
         returned, paths = _judged(target, batch, inputs, precision, returned,
                                   first.paths if precision == first.precision else None)
+    elif sent:
+        assert stepped is not None and target.worker is not None
+        inputs = stepped.inputs
+        returned = target.worker.collect()
+        precision = precision_for(target, returned)
+        returned, paths = _judged(target, batch, inputs, precision, returned)
     else:
-        inputs, returned, paths, precision = _called(target, batch)
+        inputs, returned, paths, precision = _called(
+            target, batch, None if stepped is None else stepped.inputs)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
                                            judge(returned, paths, precision), AFTER_STEP,
                                            inputs))
@@ -583,6 +619,46 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
         second = replace(second, diagnosis=_copied_tie(second.diagnosis, first, batch, lr,
                                                        returned, precision))
     return second
+
+
+@dataclass(frozen=True)
+class _Stepped:
+    """A model's second call: its batch (E after the SGD step, the first positions), the
+    step's learning rate, and the inputs it is handed."""
+
+    batch: Batch
+    lr: float
+    inputs: dict[str, Any]
+
+
+def _step_of(target: Target, batch: Batch, dE: Any) -> _Stepped | None:
+    """The second call after one SGD step with ``dE`` (None when dE is zero: no step)."""
+    moved = sgd_step(batch, dE)
+    if moved is None:
+        return None
+    stepped, lr = moved
+    keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
+    short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
+    return _Stepped(short, lr, target.table.inputs(short))
+
+
+def _send_step(target: Target, batch: Batch, returned: Returned) -> _Stepped | None:
+    """The second call of a model in a worker, sent (not collected: see :func:`observe`)."""
+    assert target.worker is not None
+    stepped = _step_of(target, batch, returned.dE)
+    if stepped is not None:
+        target.worker.submit(_sent(target, stepped.inputs))
+    return stepped
+
+
+def _drop(target: Target) -> None:
+    """Collect and drop a second call sent before the first was found wrong: the worker must
+    be free for the next call, and the verdict is the first call's whatever this one did."""
+    assert target.worker is not None
+    try:
+        target.worker.collect()
+    except AdapterError:
+        pass
 
 
 def _copied_tie(diag: Diagnosis, first: Observation, short: Batch, lr: float,
