@@ -277,3 +277,35 @@ def test_an_error_while_the_second_call_is_out_ends_that_worker_and_the_next_cas
         assert ob.observe(target, case).status == "correct"  # a fresh worker
     finally:
         target.close()
+
+
+_SHAPE_BUFFER = '''
+import numpy as np
+from tyingspec._src.core.paths import flatten_batch, forward_parts, scatter_rows
+
+_BUFFERS = {}
+
+
+def model(E, W, b, tokens, targets, *, res=1.0, s_in=1.0):
+    t, y = flatten_batch(tokens, targets)
+    p = forward_parts(E, E, W, b, t, y, res, s_in)
+    buf = _BUFFERS.setdefault(E.shape, np.zeros_like(E))  # one per shape, never zeroed
+    buf += p.g.T @ p.h + scatter_rows(t, p.input_rows, E.shape[0])
+    return {"loss": p.loss, "dE": buf.copy(), "dW": p.dW, "db": p.db}
+'''
+
+
+def test_a_buffer_never_zeroed_is_named_on_every_case_of_a_shape_after_dropped_calls(
+        tmp_path: Path) -> None:
+    # Every first call from the second case on is wrong, so the second call sent before its
+    # judgement is dropped; the target still made it, and its buffer still holds it.
+    (tmp_path / "shape_buffer.py").write_text(_SHAPE_BUFFER)
+    from tyingspec._src.core.cases import at_shape
+
+    cases, _ = at_shape(standard_cases(0), 64, 8, 32)
+    report = check_target("shape_buffer:model", "model", 0, cases, shrink_budget=0.0,
+                          paths=(str(tmp_path),))
+    assert report.load_error is None
+    labels = [r.diagnosis.label if r.diagnosis else r.status for r in report.results]
+    assert len(labels) == len(cases) >= 3
+    assert labels == ["gradient_not_zeroed"] * len(cases)

@@ -513,13 +513,19 @@ def _remember(target: Target, obs: Observation) -> Observation:
         obs = replace(obs, diagnosis=_stale(obs.diagnosis, previous, obs.returned, obs.paths,
                                             obs.precision))
     del previous
+    _keep_last(target, key, obs.returned, obs.paths)
+    return obs
+
+
+def _keep_last(target: Target, key: tuple[str, str, tuple[int, ...]], returned: Returned,
+               paths: Paths) -> None:
+    """Keep ``returned``'s dE as the last one the target returned at its shape."""
     # a copy in its own dtype (an adapter may reuse its buffer); float64 only if ever compared.
     # A worker's dE is already this process's own copy (see Worker.collect), and so is one
     # nothing else can reach (its Returned and this name hold it: core.memory.unshared).
-    dE = obs.returned.dE
+    dE = returned.dE
     kept = target.worker is not None or memory.unshared(dE, holders=2)
-    _LAST[key] = (dE if kept else np.array(dE, copy=True), obs.paths)
-    return obs
+    _LAST[key] = (dE if kept else np.array(dE, copy=True), paths)
 
 
 #: Wrong rows a stale-buffer hypothesis is tried on before the whole matrix.
@@ -585,7 +591,7 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
         raise
     if not step or first.diagnosis.wrong or target.table.second_call == "none":
         if sent and sent[0] is not None:
-            _drop(target)
+            _drop(target, sent[0])
         return first
     lr = 0.0
     batch = first.batch
@@ -651,14 +657,22 @@ def _send_step(target: Target, batch: Batch, returned: Returned) -> _Stepped | N
     return stepped
 
 
-def _drop(target: Target) -> None:
-    """Collect and drop a second call sent before the first was found wrong: the worker must
-    be free for the next call, and the verdict is the first call's whatever this one did."""
+def _drop(target: Target, stepped: _Stepped) -> None:
+    """Collect a second call sent before the first was found wrong, and leave its verdict out:
+    the verdict is the first call's whatever this one did.  The worker must be free for the
+    next call, and the target did make this call: its dE is the last one it returned, which a
+    gradient buffer never zeroed carries into the next (see :func:`_remember`)."""
     assert target.worker is not None
+    key = (target.spec, target.kind, tuple(stepped.batch.E.shape))
     try:
-        target.worker.collect()
+        returned = target.worker.collect()
+        precision = precision_for(target, returned)
+        returned, paths = _judged(target, stepped.batch, stepped.inputs, precision, returned)
     except AdapterError:
-        pass
+        _LAST.pop(key, None)  # what the target now holds is unknown: compare with nothing
+        return
+    _LAST.pop(key, None)
+    _keep_last(target, (target.spec, target.kind, tuple(returned.dE.shape)), returned, paths)
 
 
 def _copied_tie(diag: Diagnosis, first: Observation, short: Batch, lr: float,
