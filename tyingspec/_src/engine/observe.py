@@ -21,7 +21,8 @@ One observation:
    copy, or a gradient buffer never zeroed, is right on the first call and wrong from the
    second on, and is named as such (``tie_is_a_copy``, ``gradient_not_zeroed``).  A model in
    a worker gets its second call before its first is judged (the step needs only its dE), and
-   the judgement runs while the worker computes; a first call found wrong drops it.
+   the judgement runs while the worker computes; a first call found wrong leaves the second
+   call's verdict out (its dE is still the last one the target returned).
 """
 
 from __future__ import annotations
@@ -580,7 +581,7 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
     # A model's second call depends on the first's dE alone, not on its judgement: in a worker
     # it is sent before that judgement, which then runs beside it (mostly one core of numpy
     # passes over [V, d], while the call itself waits on its own).  A first call found wrong
-    # ends the observation as before; its second call is collected and dropped.
+    # ends the observation as before; its second call is collected, its verdict left out.
     early = (lambda b, r: sent.append(_send_step(target, b, r))) \
         if sgd and target.worker is not None else None
     try:
