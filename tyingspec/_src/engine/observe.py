@@ -227,13 +227,19 @@ def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
 
 
 def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
-            paths: Paths | None = None) -> tuple[dict[str, Any], Returned, Paths, Precision]:
+            paths: Paths | None = None, *, sent: bool = False
+            ) -> tuple[dict[str, Any], Returned, Paths, Precision]:
     """One call and its reference on the same inputs, built once (a kernel's are a whole
     forward pass of the probe model); ``paths``: the reference, already built at the declared
-    precision."""
+    precision; ``sent``: the call already went to the target's worker (its answer is
+    collected, see :func:`observe`)."""
     if inputs is None:
         inputs = target.table.inputs(batch)
-    returned = _invoke(target, inputs)
+    if sent:
+        assert target.worker is not None
+        returned: Returned = target.worker.collect()
+    else:
+        returned = _invoke(target, inputs)
     precision = precision_for(target, returned)
     returned, paths = _judged(target, batch, inputs, precision, returned, paths)
     return inputs, returned, paths, precision
@@ -507,7 +513,7 @@ _LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Paths]] = {}
 
 
 def _remember(target: Target, obs: Observation) -> Observation:
-    key = (target.spec, target.kind, tuple(obs.returned.dE.shape))
+    key = _last_key(target, obs.returned.dE.shape)
     previous = _LAST.pop(key, None)  # let go before this dE is kept: never two kept at once
     if not (previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated" or
             obs.diagnosis.findings):  # a named check decided it, not the rows
@@ -516,6 +522,10 @@ def _remember(target: Target, obs: Observation) -> Observation:
     del previous
     _keep_last(target, key, obs.returned, obs.paths)
     return obs
+
+
+def _last_key(target: Target, shape: tuple[int, ...]) -> tuple[str, str, tuple[int, ...]]:
+    return (target.spec, target.kind, tuple(shape))
 
 
 def _keep_last(target: Target, key: tuple[str, str, tuple[int, ...]], returned: Returned,
@@ -595,28 +605,19 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
             _drop(target, sent[0])
         return first
     lr = 0.0
-    batch = first.batch
-    stepped: _Stepped | None = sent[0] if sent else \
-        _step_of(target, first.batch, first.returned.dE) if sgd else None
+    batch, inputs = first.batch, first.inputs
     if sgd:
+        stepped = sent[0] if sent else _step_of(target, first.batch, first.returned.dE)
         if stepped is None:
             return first
-        batch, lr = stepped.batch, stepped.lr
-    inputs = first.inputs
+        batch, lr, inputs = stepped.batch, stepped.lr, stepped.inputs
     if batch is first.batch:  # a repeat: the same inputs, and their reference if it still fits
         returned = _invoke(target, inputs)
         precision = precision_for(target, returned)
         returned, paths = _judged(target, batch, inputs, precision, returned,
                                   first.paths if precision == first.precision else None)
-    elif sent:
-        assert stepped is not None and target.worker is not None
-        inputs = stepped.inputs
-        returned = target.worker.collect()
-        precision = precision_for(target, returned)
-        returned, paths = _judged(target, batch, inputs, precision, returned)
     else:
-        inputs, returned, paths, precision = _called(
-            target, batch, None if stepped is None else stepped.inputs)
+        inputs, returned, paths, precision = _called(target, batch, inputs, sent=bool(sent))
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
                                            judge(returned, paths, precision), AFTER_STEP,
                                            inputs))
@@ -663,17 +664,13 @@ def _drop(target: Target, stepped: _Stepped) -> None:
     the verdict is the first call's whatever this one did.  The worker must be free for the
     next call, and the target did make this call: its dE is the last one it returned, which a
     gradient buffer never zeroed carries into the next (see :func:`_remember`)."""
-    assert target.worker is not None
-    key = (target.spec, target.kind, tuple(stepped.batch.E.shape))
+    key = _last_key(target, stepped.batch.E.shape)  # a valid dE has E's shape
     try:
-        returned = target.worker.collect()
-        precision = precision_for(target, returned)
-        returned, paths = _judged(target, stepped.batch, stepped.inputs, precision, returned)
+        _, returned, paths, _ = _called(target, stepped.batch, stepped.inputs, sent=True)
     except AdapterError:
         _LAST.pop(key, None)  # what the target now holds is unknown: compare with nothing
         return
-    _LAST.pop(key, None)
-    _keep_last(target, (target.spec, target.kind, tuple(returned.dE.shape)), returned, paths)
+    _keep_last(target, key, returned, paths)
 
 
 def _copied_tie(diag: Diagnosis, first: Observation, short: Batch, lr: float,
