@@ -5,6 +5,7 @@ benchmarks/bench_memory.py's)."""
 from __future__ import annotations
 
 import gc
+import mmap
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -162,6 +163,22 @@ def test_an_array_on_a_mapping_of_its_own_is_unshared_too() -> None:
     b = np.ndarray((32, 32), np.float32, buffer=foreign)
     del foreign
     assert not memory.unshared(b, holders=1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+def test_a_large_array_is_on_a_private_mapping_with_its_pages_in() -> None:
+    # A shared anonymous mapping is shmem, whose pages cost about twice as much to populate
+    # (see core.memory.empty); the array must also be usable at once, zeroed like np.zeros.
+    a = memory.empty(((memory.POPULATE_ABOVE >> 2) + 1024,), np.float32)
+    assert isinstance(a.base, mmap.mmap)
+    start = a.__array_interface__["data"][0]
+    perms = next(line.split()[1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if int(line.split()[0].split("-")[0], 16) <= start
+                 < int(line.split()[0].split("-")[1], 16))
+    assert perms == "rw-p", f"the mapping is {perms}, not a private one"
+    np.testing.assert_array_equal(a[::4096], 0)
+    a[:] = 1.5
+    np.testing.assert_allclose(a[-3:], 1.5, rtol=0, atol=0)
 
 
 def test_a_fresh_dE_is_kept_without_a_copy() -> None:
