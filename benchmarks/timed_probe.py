@@ -1,4 +1,4 @@
-"""``torch_probe.tied_f32`` with its calls timed inside the worker, for ``bench_warm_overlap``.
+"""``torch_probe.tied_f32`` with its calls timed inside the worker, for ``bench_warm_timeline``.
 
     tyingspec check benchmarks.timed_probe:tied_f32 --precision float32   # a correct model
 

@@ -203,35 +203,12 @@ def test_the_cli_and_the_plugin_offer_exactly_the_engines_precisions() -> None:
     assert tuple(action.choices) == PRECISION_CHOICES == PRECISIONS
 
 
-# ---- a model's second call, sent to its worker before the first call is judged -------------
+# ---- a model's second call, made in its worker after the first call is judged ------------
 
 _MUTANTS = "tyingspec._src.kinds.probe.mutants"
 
 
-def test_a_workers_second_call_is_out_while_the_first_is_judged_and_names_a_copied_tie(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import tyingspec._src.engine.observe as ob
-
-    target = ob.load(f"{_MUTANTS}:_copy_tie", "model")
-    assert target.worker is not None
-    out: list[bool] = []
-    real = ob.judge
-
-    def spy(*args: object) -> object:
-        out.append(target.worker is not None and target.worker._running is not None)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ob, "judge", spy)
-    try:
-        obs = ob.observe(target, standard_cases(0)[0])
-    finally:
-        target.close()
-    # the first call judged with the second in the worker; the second once it is back
-    assert out == [True, False]
-    assert obs.stage == ob.AFTER_STEP and obs.label == "tie_is_a_copy"
-
-
-def test_a_first_call_found_wrong_drops_the_second_call_it_sent_and_the_worker_goes_on(
+def test_a_first_call_found_wrong_makes_no_second_call_and_the_worker_goes_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import tyingspec._src.engine.isolation as iso
     import tyingspec._src.engine.observe as ob
@@ -246,18 +223,19 @@ def test_a_first_call_found_wrong_drops_the_second_call_it_sent_and_the_worker_g
     monkeypatch.setattr(iso.Worker, "submit", counting)
     target = ob.load(f"{_MUTANTS}:_output_from_x", "model")
     assert target.worker is not None
+    cases = standard_cases(0)[:2]
     try:
-        for case in standard_cases(0)[:2]:
+        for case in cases:
             obs = ob.observe(target, case)
             assert obs.stage == ob.FIRST_CALL and obs.label == "output_path_wrong"
-            assert target.worker._running is None  # collected: the worker is free
+            assert target.worker._running is None  # the worker is free
     finally:
         target.close()
-    # each case: its first call, and the second call sent before the first was found wrong
-    assert len(sent) == 4
+    # each case: its first call only, on all its positions
+    assert sent == [c.N for c in cases]
 
 
-def test_an_error_while_the_second_call_is_out_ends_that_worker_and_the_next_case_runs(
+def test_an_error_between_the_calls_leaves_the_worker_for_the_next_case(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import tyingspec._src.engine.observe as ob
 
@@ -273,8 +251,10 @@ def test_an_error_while_the_second_call_is_out_ends_that_worker_and_the_next_cas
             m.setattr(ob, "judge", broken)
             with pytest.raises(RuntimeError, match="a judge that fails"):
                 ob.observe(target, case)
-        assert target.worker._proc is None and target.worker._running is None
-        assert ob.observe(target, case).status == "correct"  # a fresh worker
+        proc = target.worker._proc
+        assert proc is not None and proc.is_alive() and target.worker._running is None
+        assert ob.observe(target, case).status == "correct"
+        assert target.worker._proc is proc  # the same worker: no call was left out
     finally:
         target.close()
 
@@ -295,10 +275,9 @@ def model(E, W, b, tokens, targets, *, res=1.0, s_in=1.0):
 '''
 
 
-def test_a_buffer_never_zeroed_is_named_on_every_case_of_a_shape_after_dropped_calls(
-        tmp_path: Path) -> None:
-    # Every first call from the second case on is wrong, so the second call sent before its
-    # judgement is dropped; the target still made it, and its buffer still holds it.
+def test_a_buffer_never_zeroed_is_named_on_every_case_of_a_shape(tmp_path: Path) -> None:
+    # Every first call from the second case on is wrong (the buffer holds the calls before
+    # it), so each is compared with the last call the target made: another case's.
     (tmp_path / "shape_buffer.py").write_text(_SHAPE_BUFFER)
     from tyingspec._src.core.cases import at_shape
 

@@ -19,10 +19,8 @@ One observation:
 6. call again, as the kind says: a model after one SGD step with the dE it returned (on the
    first ``SECOND_CALL_POSITIONS`` positions), a kernel on the same inputs.  A tie that is a
    copy, or a gradient buffer never zeroed, is right on the first call and wrong from the
-   second on, and is named as such (``tie_is_a_copy``, ``gradient_not_zeroed``).  A model in
-   a worker gets its second call before its first is judged (the step needs only its dE), and
-   the judgement runs while the worker computes; a first call found wrong leaves the second
-   call's verdict out (its dE is still the last one the target returned).
+   second on, and is named as such (``tie_is_a_copy``, ``gradient_not_zeroed``).  A first
+   call found wrong ends the observation: no second call is made.
 """
 
 from __future__ import annotations
@@ -227,19 +225,13 @@ def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
 
 
 def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
-            paths: Paths | None = None, *, sent: bool = False
-            ) -> tuple[dict[str, Any], Returned, Paths, Precision]:
+            paths: Paths | None = None) -> tuple[dict[str, Any], Returned, Paths, Precision]:
     """One call and its reference on the same inputs, built once (a kernel's are a whole
     forward pass of the probe model); ``paths``: the reference, already built at the declared
-    precision; ``sent``: the call already went to the target's worker (its answer is
-    collected, see :func:`observe`)."""
+    precision."""
     if inputs is None:
         inputs = target.table.inputs(batch)
-    if sent:
-        assert target.worker is not None
-        returned: Returned = target.worker.collect()
-    else:
-        returned = _invoke(target, inputs)
+    returned = _invoke(target, inputs)
     precision = precision_for(target, returned)
     returned, paths = _judged(target, batch, inputs, precision, returned, paths)
     return inputs, returned, paths, precision
@@ -484,13 +476,9 @@ def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
     return case.with_batch(batch.tokens, batch.targets), batch
 
 
-def first_call(target: Target, case: Case, *,
-               before_judging: Callable[[Batch, Returned], None] | None = None,
-               **overrides: Any) -> Observation:
+def first_call(target: Target, case: Case, **overrides: Any) -> Observation:
     """Steps 1-5 of the module docstring: one call, judged; ``overrides`` replace inputs of
-    the call (a torch property asks for its own checks only).  ``before_judging(batch,
-    returned)`` runs once the call and its reference are in, before the judgement (what
-    :func:`observe` sends the worker meanwhile)."""
+    the call (a torch property asks for its own checks only)."""
     prepared = None if overrides else target._prepared.pop(case, None)
     if prepared is None:
         case, batch = batch_for(target, case)
@@ -501,8 +489,6 @@ def first_call(target: Target, case: Case, *,
         case, batch = prepared.case, prepared.batch
         inputs, returned, paths, precision = _called(target, batch, prepared.inputs,
                                                      prepared.paths)
-    if before_judging is not None:
-        before_judging(batch, returned)
     return Observation(case, batch, returned, paths, precision,
                        judge(returned, paths, precision), inputs=inputs)
 
@@ -586,28 +572,18 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
     """Observe ``target`` on ``case``: the first call and the kind's second call (after one SGD
     step, or a repeat); returns the observation that decides the verdict (the second call's
     when it reveals a bug the first did not).  ``overrides`` replace inputs of the call."""
-    sgd = step and target.table.second_call == "sgd_step"
-    sent: list[_Stepped | None] = []
-    # A model's second call depends on the first's dE alone, not on its judgement: in a worker
-    # it is sent before that judgement, which then runs beside it (mostly one core of numpy
-    # passes over [V, d], while the call itself waits on its own).  A first call found wrong
-    # ends the observation as before; its second call is collected, its verdict left out.
-    early = (lambda b, r: sent.append(_send_step(target, b, r))) \
-        if sgd and target.worker is not None else None
-    try:
-        first = _remember(target, first_call(target, case, before_judging=early, **overrides))
-    except BaseException:
-        if sent and sent[0] is not None and target.worker is not None:
-            target.worker.stop(wait=False)  # a call still out: the next starts a fresh worker
-        raise
+    # The second call is made after the first is judged, not beside its judgement: on two
+    # cores the two shared them at a loss (a warm case at GPT-2 size took 4.62 s and 5.24 s
+    # with the second call sent before the judgement, 4.47 s and 5.18 s after it; medians of
+    # two runs of benchmarks/bench_warm_overlap.py at e56a8ae), and a first call found wrong
+    # needs none.
+    first = _remember(target, first_call(target, case, **overrides))
     if not step or first.diagnosis.wrong or target.table.second_call == "none":
-        if sent and sent[0] is not None:
-            _drop(target, sent[0])
         return first
     lr = 0.0
     batch, inputs = first.batch, first.inputs
-    if sgd:
-        stepped = sent[0] if sent else _step_of(target, first.batch, first.returned.dE)
+    if target.table.second_call == "sgd_step":
+        stepped = _step_of(target, first.batch, first.returned.dE)
         if stepped is None:
             return first
         batch, lr, inputs = stepped.batch, stepped.lr, stepped.inputs
@@ -617,7 +593,7 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
         returned, paths = _judged(target, batch, inputs, precision, returned,
                                   first.paths if precision == first.precision else None)
     else:
-        inputs, returned, paths, precision = _called(target, batch, inputs, sent=bool(sent))
+        inputs, returned, paths, precision = _called(target, batch, inputs)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
                                            judge(returned, paths, precision), AFTER_STEP,
                                            inputs))
@@ -648,29 +624,6 @@ def _step_of(target: Target, batch: Batch, dE: Any) -> _Stepped | None:
     keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
     short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
     return _Stepped(short, lr, target.table.inputs(short))
-
-
-def _send_step(target: Target, batch: Batch, returned: Returned) -> _Stepped | None:
-    """The second call of a model in a worker, sent (not collected: see :func:`observe`)."""
-    assert target.worker is not None
-    stepped = _step_of(target, batch, returned.dE)
-    if stepped is not None:
-        target.worker.submit(_sent(target, stepped.inputs))
-    return stepped
-
-
-def _drop(target: Target, stepped: _Stepped) -> None:
-    """Collect a second call sent before the first was found wrong, and leave its verdict out:
-    the verdict is the first call's whatever this one did.  The worker must be free for the
-    next call, and the target did make this call: its dE is the last one it returned, which a
-    gradient buffer never zeroed carries into the next (see :func:`_remember`)."""
-    key = _last_key(target, stepped.batch.E.shape)  # a valid dE has E's shape
-    try:
-        _, returned, paths, _ = _called(target, stepped.batch, stepped.inputs, sent=True)
-    except AdapterError:
-        _LAST.pop(key, None)  # what the target now holds is unknown: compare with nothing
-        return
-    _keep_last(target, key, returned, paths)
 
 
 def _copied_tie(diag: Diagnosis, first: Observation, short: Batch, lr: float,
