@@ -201,19 +201,12 @@ def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
 
 
 def _invoke(target: Target, inputs: dict[str, Any]) -> Returned:
-    inputs = _sent(target, inputs)
+    if target.table.takes_precision:
+        inputs = inputs | {"precision": target.precision}
     if target.worker is not None:
         returned: Returned = target.worker.invoke(inputs)
         return returned
     return target.table.invoke(target.spec, target.fn, inputs)
-
-
-def _sent(target: Target, inputs: dict[str, Any]) -> dict[str, Any]:
-    """What a call of ``target`` is handed: the kind's inputs, and the precision where the
-    kind takes it."""
-    if target.table.takes_precision:
-        return inputs | {"precision": target.precision}
-    return inputs
 
 
 def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
@@ -499,30 +492,20 @@ _LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Paths]] = {}
 
 
 def _remember(target: Target, obs: Observation) -> Observation:
-    key = _last_key(target, obs.returned.dE.shape)
+    key = (target.spec, target.kind, tuple(obs.returned.dE.shape))
     previous = _LAST.pop(key, None)  # let go before this dE is kept: never two kept at once
     if not (previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated" or
             obs.diagnosis.findings):  # a named check decided it, not the rows
         obs = replace(obs, diagnosis=_stale(obs.diagnosis, previous, obs.returned, obs.paths,
                                             obs.precision))
     del previous
-    _keep_last(target, key, obs.returned, obs.paths)
-    return obs
-
-
-def _last_key(target: Target, shape: tuple[int, ...]) -> tuple[str, str, tuple[int, ...]]:
-    return (target.spec, target.kind, tuple(shape))
-
-
-def _keep_last(target: Target, key: tuple[str, str, tuple[int, ...]], returned: Returned,
-               paths: Paths) -> None:
-    """Keep ``returned``'s dE as the last one the target returned at its shape."""
     # a copy in its own dtype (an adapter may reuse its buffer); float64 only if ever compared.
     # A worker's dE is already this process's own copy (see Worker.collect), and so is one
     # nothing else can reach (its Returned and this name hold it: core.memory.unshared).
-    dE = returned.dE
+    dE = obs.returned.dE
     kept = target.worker is not None or memory.unshared(dE, holders=2)
-    _LAST[key] = (dE if kept else np.array(dE, copy=True), paths)
+    _LAST[key] = (dE if kept else np.array(dE, copy=True), obs.paths)
+    return obs
 
 
 #: Wrong rows a stale-buffer hypothesis is tried on before the whole matrix.
@@ -581,19 +564,22 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
     if not step or first.diagnosis.wrong or target.table.second_call == "none":
         return first
     lr = 0.0
-    batch, inputs = first.batch, first.inputs
+    batch = first.batch
     if target.table.second_call == "sgd_step":
-        stepped = _step_of(target, first.batch, first.returned.dE)
-        if stepped is None:
+        moved = sgd_step(first.batch, first.returned.dE)
+        if moved is None:
             return first
-        batch, lr, inputs = stepped.batch, stepped.lr, stepped.inputs
+        stepped, lr = moved
+        keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
+        batch = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
+    inputs = first.inputs
     if batch is first.batch:  # a repeat: the same inputs, and their reference if it still fits
         returned = _invoke(target, inputs)
         precision = precision_for(target, returned)
         returned, paths = _judged(target, batch, inputs, precision, returned,
                                   first.paths if precision == first.precision else None)
     else:
-        inputs, returned, paths, precision = _called(target, batch, inputs)
+        inputs, returned, paths, precision = _called(target, batch)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
                                            judge(returned, paths, precision), AFTER_STEP,
                                            inputs))
@@ -603,27 +589,6 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
         second = replace(second, diagnosis=_copied_tie(second.diagnosis, first, batch, lr,
                                                        returned, precision))
     return second
-
-
-@dataclass(frozen=True)
-class _Stepped:
-    """A model's second call: its batch (E after the SGD step, the first positions), the
-    step's learning rate, and the inputs it is handed."""
-
-    batch: Batch
-    lr: float
-    inputs: dict[str, Any]
-
-
-def _step_of(target: Target, batch: Batch, dE: Any) -> _Stepped | None:
-    """The second call after one SGD step with ``dE`` (None when dE is zero: no step)."""
-    moved = sgd_step(batch, dE)
-    if moved is None:
-        return None
-    stepped, lr = moved
-    keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
-    short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
-    return _Stepped(short, lr, target.table.inputs(short))
 
 
 def _copied_tie(diag: Diagnosis, first: Observation, short: Batch, lr: float,
