@@ -35,6 +35,7 @@ if str(REPO) not in sys.path:
 import tyingspec._src.engine.isolation as iso  # noqa: E402
 import tyingspec._src.engine.observe as ob  # noqa: E402
 from benchmarks.bench_check import spread  # noqa: E402
+from benchmarks.bench_check_timeline import wrapped  # noqa: E402
 from tyingspec import check, standard_cases  # noqa: E402
 from tyingspec._src.core.cases import at_shape  # noqa: E402
 
@@ -44,13 +45,7 @@ EVENTS: list[Event] = []
 
 
 def _timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*a: Any, **k: Any) -> Any:
-        s = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            EVENTS.append((label, s, time.perf_counter()))
-    return wrapper
+    return wrapped(label, f, lambda s, dt, name: EVENTS.append((name, s, s + dt)))
 
 
 def _worker_cpu() -> float:
