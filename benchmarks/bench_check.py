@@ -6,7 +6,8 @@ Run from the repository root (the targets are ``benchmarks.torch_probe:NAME``)::
     python -m benchmarks.bench_check --V 2000 --d 64 --N 256  # quick
     python benchmarks/bench_check.py --repeats 5 --skip-verdicts
 
-Part 1 (timing), interleaved over ``--repeats`` rounds (a, b, c, S, I, F, a, b, ...):
+Part 1 (timing), interleaved over ``--repeats`` rounds (a, b, F, c, S, I, the floor's parts,
+a, b, ...):
 
 - (a) one forward+backward of ``tied_f32``, called in this process on the float32 batch the
   check's ``absent-tokens`` case builds at that shape (after one untimed warm-up call);
@@ -24,7 +25,9 @@ It prints min/median/max of each, median(b)/median(a), median(b) - median(S),
 median(b) - median(I): what the check costs beyond starting a process that imports the target,
 median(F)/median(a): what a check would cost if its reference, judgement and second call
 were free, and (median(I) + median(a))/median(a): the same for a check that builds its batch
-while the target is imported, as tyingspec's does.
+while the target is imported, as tyingspec's does.  Last, (b - F)/a round by round: (a), (b)
+and (F) run back to back in each round, so the machine's drift between rounds (a tenth or more
+within a minute on a shared VM) cancels in each round's ratio.
 
 Part 2 (verdicts): each broken torch variant, the correct one and the float64-returning one,
 checked at the same shape on the case that exposes its bug; prints the JSON's verdict, label,
@@ -211,17 +214,20 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     part: dict[str, list[float]] = {k: [] for k in parts}
     last: dict[str, Run] = {}
     for _ in range(repeats):
+        # (a), (b) and (F) back to back: this VM's speed drifts by a tenth or more within a
+        # minute, so the round's own (b) - (F) over its own (a) is the figure it can vouch for
         a.append(timed(fb))
-        for k, f in parts.items():
-            part[k].append(timed(f))
         for name, out in (("tied_f32", b), (BROKEN_TIMED, c)):
+            if name == BROKEN_TIMED:
+                fl.append(timed_process(floor_argv(shape)))
             r = run_cli(check_argv(name, shape, "absent-tokens", "float32", tmp / "t.json"),
                         tmp / "t.json")
             out.append(r.seconds)
             last[name] = r
         s.append(run_cli(["--help"]).seconds)
         imp.append(timed_process([sys.executable, "-c", f"import {MODULE}"]))
-        fl.append(timed_process(floor_argv(shape)))
+        for k, f in parts.items():
+            part[k].append(timed(f))
     print(f"== timing: V={V} d={d} N={N}, float32, seed {seed}, {repeats} interleaved rounds, "
           f"torch {torch_version()} with {torch_threads()} threads")
     print("(a) one forward+backward of tied_f32, in process")
@@ -253,6 +259,15 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
           f"({(mb - mf) / ma:.2f}x one forward+backward: the reference, judgement and "
           "second call)")
     print_floor(part, ma, {"(b) - (F), what the check adds": mb - mf}, imported=mi)
+    print(paired("(b) - (F) over (a), round by round (a, b and F run back to back)",
+                 [(bi - fi) / ai for ai, bi, fi in zip(a, b, fl)]))
+
+
+def paired(what: str, ratios: Sequence[float]) -> str:
+    """``ratios``, one per round, each of figures timed back to back in that round: the
+    machine's drift between rounds cancels in them, as it does not in a ratio of medians."""
+    return (f"{what}: min {min(ratios):.2f}x  median {statistics.median(ratios):.2f}x  "
+            f"max {max(ratios):.2f}x  ({', '.join(f'{r:.2f}' for r in ratios)})")
 
 
 def print_floor(part: dict[str, list[float]], ma: float, against: dict[str, float],

@@ -14,7 +14,8 @@ In one process, interleaved over ``--repeats`` rounds (a, W, a, W, ...):
   untimed first check: the per-case cost a user's test (or the pytest plugin, whose session
   fixture keeps one worker per xdist process the same way) pays for every case after the first.
 
-Prints min/median/max of each and median(W)/median(a) (the issue's target is at most 2x), and
+Prints min/median/max of each and median(W)/median(a) (the issue's target is at most 2x), each
+round's own W/a (the machine's drift between rounds cancels in it), and
 beside them, interleaved in the same rounds, the parts of a warm case no check can skip
 (``bench_check.floor_parts``: the reference's two products, the second call, drawing the
 batch) with their sum as a multiple of (a).
@@ -38,6 +39,7 @@ from benchmarks.bench_check import (  # noqa: E402
     absent_tokens_batch,
     floor_parts,
     forward_backward,
+    paired,
     print_floor,
     spread,
 )
@@ -93,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ma = statistics.median(fa)
     print(f"median(W) / median(a) = {statistics.median(warm) / ma:.2f}x")
     print_floor(part, ma, {"(W) - (a), what a warm case adds": statistics.median(warm) - ma})
+    print(paired("(W) / (a), round by round (a, the floor's parts and W back to back)",
+                 [w / x for w, x in zip(warm, fa)]))
     floor = ma + sum(statistics.median(part[k]) for k in ("R", "2", "D"))
     print(f"floor of a warm case, (a) + (R) + (2) + (D) = {floor:.2f} s ({floor / ma:.2f}x); "
           f"(W) is {statistics.median(warm) / floor:.2f}x that floor")
