@@ -6,7 +6,7 @@ Each call appends one line to the file named by ``TYINGSPEC_BENCH_LOG`` (nothing
 the call's start and end on the monotonic clock (``time.perf_counter``, the same clock in
 every process of the machine), its positions, and the CPU seconds it used.  Imported in the
 worker, it also times the worker's own steps after the call, making the result block and
-writing dE into it (``engine.isolation._create`` and ``_write``): a benchmark's wrapper, so
+writing dE into it (``engine.isolation._create`` and ``_write_result``): a benchmark's wrapper, so
 that the time between the implementation's return and the answer is seen, not guessed.
 """
 
@@ -59,4 +59,5 @@ if LOG:
     import tyingspec._src.engine.isolation as _iso
 
     _iso._create = _timed("worker: result block made", _iso._create)  # type: ignore[assignment]
-    _iso._write = _timed("worker: dE written into it", _iso._write)  # type: ignore[assignment]
+    _iso._write_result = _timed(  # type: ignore[assignment]
+        "worker: dE written into it", _iso._write_result)

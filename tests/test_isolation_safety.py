@@ -248,6 +248,39 @@ def test_every_value_a_worker_legitimately_sends_comes_back_equal_and_of_its_typ
     assert _same(back, message)
 
 
+
+@pytest.mark.parametrize("chunk", [1 << 30, 4096 + 3])
+@pytest.mark.parametrize("form", ["float32", "float64 transposed", "bfloat16", ">f4"])
+def test_a_result_written_through_the_block_descriptor_comes_back_bit_for_bit(
+        form: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker fills a fresh result block with os.pwrite, in pieces of at most
+    # _PWRITE_BYTES (here also an odd size, so pieces end mid-element and mid-page); the
+    # parent takes the block over as the array, as it takes every result.
+    import tyingspec._src.engine.isolation as iso
+    from tyingspec._src.core.tolerance import numpy_dtype
+
+    monkeypatch.setattr(iso, "_PWRITE_BYTES", chunk)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((700, 401))
+    if form == "float32":
+        a = a.astype(np.float32)
+    elif form == "float64 transposed":
+        a = a.T  # not C-contiguous: written in C order all the same
+    elif form == "bfloat16":
+        a = a.astype(numpy_dtype("bfloat16"))
+    else:
+        a = a.astype(">f4")
+    before = a.copy()
+    block = iso._create(a.nbytes, f"tyingspec_test_{os.getpid()}_{chunk}", populate=False)
+    try:
+        shared = iso._write_result(a, block)
+    finally:
+        block.close()
+    back = iso._take(shared)  # unlinks the block's name
+    assert back.dtype == a.dtype and back.shape == a.shape
+    assert back.tobytes() == np.ascontiguousarray(a).tobytes()
+    assert a.tobytes() == before.tobytes()  # the array written is left as it was
+
 def _same(a: Any, b: Any) -> bool:
     from dataclasses import fields, is_dataclass
 

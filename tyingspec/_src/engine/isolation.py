@@ -379,11 +379,14 @@ def _large(a: Any) -> bool:
     return isinstance(a, np.ndarray) and a.nbytes >= SHARE_ABOVE and not a.dtype.hasobject
 
 
-def _create(nbytes: int, name: str | None = None) -> Any:
+def _create(nbytes: int, name: str | None = None, *, populate: bool = True) -> Any:
+    """A new shared block of ``nbytes``, its pages faulted in for writing (``populate``), or
+    none allocated yet (a block :func:`_write_result` fills through its descriptor)."""
     from multiprocessing import shared_memory
 
     block = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-    memory.populate(block, write=True)
+    if populate:
+        memory.populate(block, write=True)
     return block
 
 
@@ -427,6 +430,32 @@ def _write(a: Any, block: Any) -> _Shared:
     import numpy as np
 
     np.copyto(_in_block(a, block), a, casting="no")
+    return _Shared(block.name, tuple(a.shape), _dtype_token(a.dtype))
+
+
+#: Bytes one ``os.pwrite`` is handed at a time (Linux writes at most 2 GiB - 4 KiB a call).
+_PWRITE_BYTES = 1 << 30
+
+
+def _write_result(a: Any, block: Any) -> _Shared:
+    """``a`` written into a fresh block (made with ``populate=False``) through the block's file
+    descriptor: the kernel fills each new page with the bytes as it allocates it, where
+    populating the mapping first zeroes every page and the copy then writes it again (a
+    GPT-2-size dE: 0.06-0.08 s against 0.09-0.14 s, measured beside a test run)."""
+    import numpy as np
+
+    fd = getattr(block, "_fd", -1)
+    if not hasattr(os, "pwrite") or fd < 0:
+        memory.populate(block, write=True)
+        return _write(a, block)
+    raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data  # a memoryview
+    done = 0
+    while done < raw.nbytes:
+        wrote = os.pwrite(fd, raw[done:done + _PWRITE_BYTES], done)
+        if wrote <= 0:
+            raise OSError(f"writing the result block {block.name!r} stopped at byte {done} "
+                          f"of {raw.nbytes}")
+        done += wrote
     return _Shared(block.name, tuple(a.shape), _dtype_token(a.dtype))
 
 
@@ -622,8 +651,8 @@ def _call(spec: str, fn: Any, table: Any, message: tuple[str, dict[str, Any]],
         returned = table.invoke(spec, fn, inputs)
         inputs = {}
         if _large(returned.dE):
-            block = _create(returned.dE.nbytes, result)
-            returned = replace(returned, dE=_write(returned.dE, block))
+            block = _create(returned.dE.nbytes, result, populate=False)
+            returned = replace(returned, dE=_write_result(returned.dE, block))
         status, payload = "ok", returned
     except AdapterError as exc:
         # a copy without the traceback, whose frames hold the views
