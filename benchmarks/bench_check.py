@@ -213,17 +213,20 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     parts = floor_parts(batch)
     part: dict[str, list[float]] = {k: [] for k in parts}
     last: dict[str, Run] = {}
+
+    def checked(name: str) -> float:
+        """The whole command on ``name``; its run kept for the summary."""
+        last[name] = run_cli(check_argv(name, shape, "absent-tokens", "float32",
+                                        tmp / "t.json"), tmp / "t.json")
+        return last[name].seconds
+
     for _ in range(repeats):
         # (a), (b) and (F) back to back: this VM's speed drifts by a tenth or more within a
         # minute, so the round's own (b) - (F) over its own (a) is the figure it can vouch for
         a.append(timed(fb))
-        for name, out in (("tied_f32", b), (BROKEN_TIMED, c)):
-            if name == BROKEN_TIMED:
-                fl.append(timed_process(floor_argv(shape)))
-            r = run_cli(check_argv(name, shape, "absent-tokens", "float32", tmp / "t.json"),
-                        tmp / "t.json")
-            out.append(r.seconds)
-            last[name] = r
+        b.append(checked("tied_f32"))
+        fl.append(timed_process(floor_argv(shape)))
+        c.append(checked(BROKEN_TIMED))
         s.append(run_cli(["--help"]).seconds)
         imp.append(timed_process([sys.executable, "-c", f"import {MODULE}"]))
         for k, f in parts.items():

@@ -111,8 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--d", type=int, default=768)
     ap.add_argument("--N", type=int, default=1024)
     ap.add_argument("--reference-parts", action="store_true",
-                    help="also time the reference's parts (its products block by block, the "
-                         "softmax, the bound's terms)")
+                    help="also time the reference's parts (its two products, the softmax, "
+                         "the bound's terms, the paths and the sketch's directions)")
     a = ap.parse_args(argv)
     for name in ("batch_for", "judge", "sgd_step", "_prepare", "first_call"):
         setattr(ob, name, timed(name, getattr(ob, name)))

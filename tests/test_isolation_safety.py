@@ -248,7 +248,6 @@ def test_every_value_a_worker_legitimately_sends_comes_back_equal_and_of_its_typ
     assert _same(back, message)
 
 
-
 @pytest.mark.parametrize("chunk", [1 << 30, 4096 + 3])
 @pytest.mark.parametrize("form", ["float32", "float64 transposed", "bfloat16", ">f4"])
 def test_a_result_written_through_the_block_descriptor_comes_back_bit_for_bit(
@@ -280,6 +279,7 @@ def test_a_result_written_through_the_block_descriptor_comes_back_bit_for_bit(
     assert back.dtype == a.dtype and back.shape == a.shape
     assert back.tobytes() == np.ascontiguousarray(a).tobytes()
     assert a.tobytes() == before.tobytes()  # the array written is left as it was
+
 
 def _same(a: Any, b: Any) -> bool:
     from dataclasses import fields, is_dataclass

@@ -441,7 +441,8 @@ def _write_result(a: Any, block: Any) -> _Shared:
     """``a`` written into a fresh block (made with ``populate=False``) through the block's file
     descriptor: the kernel fills each new page with the bytes as it allocates it, where
     populating the mapping first zeroes every page and the copy then writes it again (a
-    GPT-2-size dE: 0.06-0.08 s against 0.09-0.14 s, measured beside a test run)."""
+    GPT-2-size dE in benchmarks/bench_warm_timeline.py: 0.053-0.067 s a call against
+    0.077-0.099 s)."""
     import numpy as np
 
     fd = getattr(block, "_fd", -1)
