@@ -164,3 +164,52 @@ def test_the_blocked_softmax_is_bit_for_bit_the_whole_buffer_one(
     for got, ref in zip((g, at_target, z), want):
         assert got.dtype == ref.dtype
         np.testing.assert_array_equal(got, ref)
+
+
+@given(V=st.integers(1, 300), d=st.integers(1, 40), block=st.integers(1, 64),
+       dtype=st.sampled_from(["float32", "float64"]), seed=st.integers(0, 2**32 - 1))
+def test_passes_split_over_the_cores_give_the_same_answer_on_any_number_of_them(
+        V: int, d: int, block: int, dtype: str, seed: int) -> None:
+    """The SGD step, E's row magnitudes and the sketch's projections run a block of rows at a
+    time on every core: on 1, 2 or 3 cores (blocks far smaller than in use, so every run
+    splits) each gives the same bits, and the answer a whole-array pass gives (the
+    projections, BLAS products whose sums may be ordered by the block, to float64 rounding)."""
+    from dataclasses import replace
+
+    from tyingspec._src.core import cases, diagnosis, paths, threads
+    from tyingspec._src.core.paths import sketch_directions
+
+    rng = np.random.default_rng(seed)
+    E = rng.standard_normal((V, d)).astype(dtype)
+    dE = (rng.standard_normal((V, d)) * rng.choice([1e-3, 1.0, 1e3])).astype(dtype)
+    batch = build(Case(name="split", V=V, d=d, N=1, seed=0, dtype=dtype))
+    batch = replace(batch, E=E)
+    Z, columns, _ = sketch_directions(np.arange(3), None, d)
+    sketch = paths.Sketch(np.zeros(0, dtype=np.int64), Z, columns, 0, np.zeros((V, 0)),
+                          np.zeros((V, 0)))
+    real = (threads.cores, cases.STEP_ROWS, paths._ABS_ROWS, diagnosis._PROJECT_ROWS)
+    got = []
+    try:
+        cases.STEP_ROWS = paths._ABS_ROWS = diagnosis._PROJECT_ROWS = block
+        for n in (1, 2, 3):
+            threads.cores = lambda n=n: n
+            moved = cases.sgd_step(batch, dE)
+            assert moved is not None
+            got.append((moved[0].E, moved[1], *paths._abs_rows(E),
+                        diagnosis._projected(dE, sketch)))
+    finally:
+        threads.cores, cases.STEP_ROWS, paths._ABS_ROWS, diagnosis._PROJECT_ROWS = real
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            np.testing.assert_array_equal(a, b)
+    E1, lr, row_max, sum_max, projected = got[0]
+    peak = float(np.abs(dE).max())
+    assert lr == cases.SGD_STEP / peak
+    np.testing.assert_array_equal(E1, E - np.asarray(lr, dtype=dtype) * dE)
+    np.testing.assert_array_equal(row_max, np.abs(E).max(axis=1))
+    assert sum_max == float(np.abs(E).sum(axis=1, dtype=np.float64).max())
+    whole = dE.astype(np.float64) @ Z
+    scale = np.abs(dE.astype(np.float64)) @ np.abs(Z)
+    np.testing.assert_array_equal(projected[:, :columns.shape[0]], whole[:, :columns.shape[0]])
+    np.testing.assert_allclose(projected, whole, rtol=0,
+                               atol=float(4 * d * np.finfo(np.float64).eps * scale.max()))

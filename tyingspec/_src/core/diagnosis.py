@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tyingspec._src.core import threads
 from tyingspec._src.core.labels import (
     LABELS as LABELS,  # re-exported: tyingspec.LABELS and the tests read it here
 )
@@ -263,15 +264,27 @@ class _Dense:
         return actual.reshape(-1), d_in.reshape(-1), d_out.reshape(-1)
 
 
+#: Rows of dE projected at a time: 128 rows of a GPT-2-size d are 0.8 MB in float64, so each
+#: block is converted and multiplied while it sits in a core's L2 cache (timed by hand at
+#: GPT-2 size on the 2-core Xeon VM of 2026-12-04: blocks of 4096 rows, through memory, 0.10 s
+#: a call on one core; blocks of 128, 0.05 s on one core and 0.03 s on two).
+_PROJECT_ROWS = 128
+
+
 def _projected(rows: np.ndarray, sketch: Sketch) -> Array:
     """``rows @ Z`` in float64: the sampled columns read out as they are (exact), the
-    Gaussian directions summed in float64, a few MB of rows at a time."""
+    Gaussian directions summed in float64, a cache-sized block of rows at a time, blocks split
+    over the cores (each row's sums the same on any number of cores)."""
     n = sketch.columns.shape[0]
-    out = np.empty((rows.shape[0], sketch.Z.shape[1]))
-    out[:, :n] = rows[:, sketch.columns]
-    gaussian = sketch.Z[:, n:]
-    for s in range(0, rows.shape[0], 8 * _BLOCK):
-        out[s:s + 8 * _BLOCK, n:] = np.asarray(rows[s:s + 8 * _BLOCK], np.float64) @ gaussian
+    V = rows.shape[0]
+    out = np.empty((V, sketch.Z.shape[1]))
+    gaussian = np.ascontiguousarray(sketch.Z[:, n:])
+
+    def block(b: slice) -> None:
+        out[b, :n] = rows[b, sketch.columns]
+        np.matmul(np.asarray(rows[b], np.float64), gaussian, out=out[b, n:])
+
+    threads.on_row_blocks(block, V, _PROJECT_ROWS)
     return out
 
 

@@ -43,3 +43,17 @@ def row_ranges(rows: int, parts: int) -> list[slice]:
     parts = max(1, min(parts, rows))
     edges = [rows * i // parts for i in range(parts + 1)]
     return [slice(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+def on_row_blocks(fn: Callable[[slice], None], rows: int, block: int) -> None:
+    """``fn`` of every block of ``block`` rows out of ``rows`` (the last one shorter), the
+    blocks shared out over the cores in contiguous runs.  The blocks start at multiples of
+    ``block`` on any number of cores, so a result made block by block (a sum over a block's
+    rows, a product of one) is the same on every machine."""
+    count = -(-rows // block) if rows > 0 else 0
+
+    def run(which: slice) -> None:
+        for i in range(which.start, which.stop):
+            fn(slice(i * block, min(rows, (i + 1) * block)))
+
+    on_cores(run, row_ranges(count, cores()) if count else [])
