@@ -213,3 +213,44 @@ def test_passes_split_over_the_cores_give_the_same_answer_on_any_number_of_them(
     np.testing.assert_array_equal(projected[:, :columns.shape[0]], whole[:, :columns.shape[0]])
     np.testing.assert_allclose(projected, whole, rtol=0,
                                atol=float(4 * d * np.finfo(np.float64).eps * scale.max()))
+
+
+@given(n=st.integers(1, 40), V=st.integers(1, 200), d=st.integers(1, 12), bias=st.booleans(),
+       sketch=st.booleans(), scale=st.sampled_from([0.1, 1.0, 10.0]),
+       dtype=st.sampled_from(["float32", "float64"]), seed=st.integers(0, 2**32 - 1))
+def test_the_bound_terms_from_the_softmax_sign_are_the_abs_ones(
+        n: int, V: int, d: int, bias: bool, sketch: bool, scale: float, dtype: str,
+        seed: int) -> None:
+    """The probe model's g is below zero only at each position's target, so the magnitudes
+    are taken as ``left.T @ g`` plus ``-2 min(g, 0)`` there: they are the ``|g|`` sums, the
+    projections the same product, each to the rounding of its own sums."""
+    from tyingspec._src.core import paths
+
+    rng = np.random.default_rng(seed)
+    E = (rng.standard_normal((V, d)) * scale).astype(dtype)
+    W = (rng.standard_normal((d, d)) / np.sqrt(d)).astype(dtype)
+    b = rng.standard_normal(V).astype(dtype) if bias else None
+    tokens, targets = rng.integers(V, size=n), rng.integers(V, size=n)
+    p = paths.forward_parts(E, E, W, b, tokens, targets)
+    assert (np.delete(p.g.reshape(-1), np.arange(n) * V + targets) >= 0).all()
+    Z = paths.sketch_directions(tokens, targets, d)[0] if sketch else None
+    e_rows = paths._abs_rows(E)[0].astype(p.g.dtype)
+    signed = paths._output_rows(p.g, p.h, targets, e_rows, Z, softmax_g=True)
+    whole = paths._output_rows(p.g, p.h, targets, e_rows, Z)
+    eps = float(np.finfo(dtype).eps)
+    for name, got, want, terms in (("rows", signed[0], whole[0], n), ("db", signed[1], whole[1], n),
+                                   ("dh terms", signed[2], whole[2], V)):
+        # each is a sum of |terms| >= 0: either order rounds within terms * eps of the sum
+        np.testing.assert_allclose(got, want, rtol=4 * terms * eps,
+                                   atol=4 * terms * eps * float(np.abs(want).max(initial=0)),
+                                   err_msg=name)
+    assert (signed[3] is None) == (whole[3] is None) == (not sketch)
+    if signed[3] is not None and whole[3] is not None:
+        mag = signed[3][1]
+        np.testing.assert_allclose(mag, whole[3][1], rtol=4 * n * eps,
+                                   atol=4 * n * eps * float(mag.max(initial=0)))
+        # the projections: sums of signed terms, within their own magnitudes' rounding
+        hz = np.abs(p.h.astype(np.float64) @ Z)
+        size = np.abs(p.g.astype(np.float64)).T @ hz
+        np.testing.assert_allclose(signed[3][0], whole[3][0], rtol=4 * n * eps,
+                                   atol=4 * n * eps * float(size.max(initial=0)))

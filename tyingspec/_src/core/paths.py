@@ -460,13 +460,18 @@ _G_BLOCK = 128
 
 
 def _output_rows(g: Array, h: Array, targets: IntArray, e_rows: Array | None = None,
-                 Z: Array | None = None
+                 Z: Array | None = None, *, softmax_g: bool = False
                  ) -> tuple[Array, Array, Array, tuple[Array, Array] | None]:
     """sum_n (|g[n, v]| + [y_n = v]/N) max_j |h[n, j]| per row v, the same weights' column
     sums (the db magnitude), per position sum_v |g[n, v]| max_j |E[v, j]| (the size of the
     terms of dh = g @ E, whatever cancels among them; zeros without ``e_rows``), and with
     directions ``Z [d, k]`` the output path's projections ``g.T @ (h @ Z)`` and their
-    magnitudes ``|g|.T @ (|h| @ |Z|)`` (see :class:`Sketch`), all in one pass over ``g``."""
+    magnitudes ``|g|.T @ (|h| @ |Z|)`` (see :class:`Sketch`), all in one pass over ``g``.
+
+    ``softmax_g``: ``g`` is :func:`forward_parts`'s, ``(softmax - onehot(targets)) / N``, so
+    its only entries below zero are at ``(n, targets[n])``; then ``|g| = g - 2 min(g, 0)``
+    there alone, and one product reads ``g`` once for the magnitudes and the projections
+    (0.07 s against 0.15-0.17 s by blocks of ``|g|`` at GPT-2 size)."""
     n, V = g.shape
     h_inf = _abs_max_rows(h)
     k = 0 if Z is None else Z.shape[1]
@@ -475,30 +480,64 @@ def _output_rows(g: Array, h: Array, targets: IntArray, e_rows: Array | None = N
     h64 = np.asarray(h, np.float64)
     right = h_inf[:, None] if Z is None else np.hstack([h_inf[:, None], np.abs(h64) @ np.abs(Z)])
     left = np.hstack([right, np.ones((n, 1))]).astype(g.dtype)
-    sums_t = np.zeros((2 + k, V))
-    dh_terms = np.zeros(n)
-    buf = np.empty((min(n, _G_BLOCK), V), dtype=g.dtype)  # one block's pages, faulted once
-    for s in range(0, n, _G_BLOCK):  # |g| in blocks of positions, in g's own dtype
-        w = np.abs(g[s:s + _G_BLOCK], out=buf[:min(n - s, _G_BLOCK)])
-        sums_t += left[s:s + _G_BLOCK].T @ w
-        if e_rows is not None:
-            dh_terms[s:s + _G_BLOCK] = w @ e_rows
+    # The projections in g's own dtype, as the whole product would be: the reference's
+    # rounding, which the bound's factor 2 counts (a sampled column is the column of the
+    # g.T @ h a dense reference computes in that dtype, up to the order of the sums).
+    hz = None if Z is None else (h64 @ Z).astype(g.dtype)
+    if softmax_g and targets.shape[0] == n and n:
+        sums_t, dh_terms, proj = _signed_sums(g, targets, left, e_rows, hz)
+    else:
+        sums_t, dh_terms, proj = _abs_sums(g, left, e_rows, hz)
     sums, col = sums_t[:1 + k].T, sums_t[1 + k]
     # the target's probability enters g as p - 1: count it even when g ~ 0 (a fitted batch)
     tgt = np.bincount(targets, minlength=V)[:V] / max(n, 1)
     tgt_h = np.bincount(targets, weights=h_inf, minlength=V)[:V] / max(n, 1)
     projected = None
-    if Z is not None:
-        # The projections in g's own dtype, as the whole product would be: the reference's
-        # rounding, which the bound's factor 2 counts (a sampled column is the column of the
-        # g.T @ h a dense reference computes in that dtype, up to the order of the sums).
-        hz = (h64 @ Z).astype(g.dtype)
-        proj = np.asarray(g.T @ hz, dtype=np.float64)
+    if proj is not None:
         tgt_z = np.zeros((V, k))
         if targets.shape[0] == n:  # a kernel's call has no targets: its g already holds them
             np.add.at(tgt_z, targets, right[:, 1:] / max(n, 1))
         projected = (proj, sums[:, 1:] + tgt_z)
     return sums[:, 0] + tgt_h, col + tgt, dh_terms, projected
+
+
+def _abs_sums(g: Array, left: Array, e_rows: Array | None, hz: Array | None
+              ) -> tuple[Array, Array, Array | None]:
+    """``left.T @ |g|``, ``|g| @ e_rows`` and ``g.T @ hz`` for any ``g``: ``|g|`` a block of
+    positions at a time, in g's own dtype."""
+    n, V = g.shape
+    sums_t = np.zeros((left.shape[1], V))
+    dh_terms = np.zeros(n)
+    buf = np.empty((min(n, _G_BLOCK), V), dtype=g.dtype)  # one block's pages, faulted once
+    for s in range(0, n, _G_BLOCK):
+        w = np.abs(g[s:s + _G_BLOCK], out=buf[:min(n - s, _G_BLOCK)])
+        sums_t += left[s:s + _G_BLOCK].T @ w
+        if e_rows is not None:
+            dh_terms[s:s + _G_BLOCK] = w @ e_rows
+    proj = None if hz is None else np.asarray(g.T @ hz, dtype=np.float64)
+    return sums_t, dh_terms, proj
+
+
+def _signed_sums(g: Array, targets: IntArray, left: Array, e_rows: Array | None,
+                 hz: Array | None) -> tuple[Array, Array, Array | None]:
+    """What :func:`_abs_sums` returns, for a ``g`` below zero at ``(n, targets[n])`` alone:
+    ``left.T @ g`` and ``hz.T @ g`` as one product, then ``|g| - g = -2 min(g, 0)`` added at
+    those entries (every term of every sum is the same magnitude as before; only the order in
+    which they are added differs)."""
+    n = g.shape[0]
+    lhs = left if hz is None else np.hstack([left, hz])
+    both = np.asarray(lhs.T @ g, dtype=np.float64)
+    m = left.shape[1]
+    sums_t = both[:m]
+    at_target = g[np.arange(n), targets].astype(np.float64)
+    lift = -2.0 * np.minimum(at_target, 0.0)
+    np.add.at(sums_t.T, targets, lift[:, None] * left.astype(np.float64))
+    dh_terms = np.zeros(n)
+    if e_rows is not None:
+        dh_terms = np.asarray(g @ e_rows, dtype=np.float64) + \
+            lift * e_rows[targets].astype(np.float64)
+    proj = None if hz is None else np.ascontiguousarray(both[m:].T)
+    return sums_t, dh_terms, proj
 
 
 #: Rows of E per block of :func:`_abs_rows` (3 MB of a GPT-2-size E in float32).
@@ -550,7 +589,8 @@ def model_terms(E_in: Array, E_out: Array, W: Array, b: Array | None, tokens: In
     h_inf = _abs_max_rows(p.h)
     e_rows, row_sum_max = _abs_rows(E_out)
     out_rows, db, dh_terms, projected = _output_rows(p.g, p.h, targets,
-                                                     e_rows.astype(p.g.dtype), Z)
+                                                     e_rows.astype(p.g.dtype), Z,
+                                                     softmax_g=True)
     e_max = float(e_rows.max(initial=0))
     if E_in is not E_out:  # tied: one matrix, one pass
         e_max = max(e_max, float(_abs_rows(E_in)[0].max(initial=0)))
