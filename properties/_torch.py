@@ -13,15 +13,11 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from tyingspec._src.core.cases import Case
-from tyingspec._src.core.findings import Finding
+from tyingspec._src.core.findings import Finding, rows_unobserved
 from tyingspec._src.core.strategies import cases
 from tyingspec._src.engine.observe import Observation, Target, observe, own_case
 
 from ._core import PropertyFailure, register, require_power, require_rows
-
-#: The torch adapter's finding for the rows by path (``not_applicable``: a use of the tied
-#: weight cannot be observed, see kinds.torch.adapter).
-BY_PATH = "gradient by path"
 
 #: Compositions a model's fixed shape can always hold (N may exceed V: no "distinct" there).
 TORCH_COMPOSITIONS = ("random", "distinct", "repeats", "one-token", "with-zero", "no-zero",
@@ -81,7 +77,7 @@ def torch_gradient_by_path(target: Target, case: Case) -> None:
     # model's own and have none on any example, so every example was discarded and Hypothesis
     # failed the run with FailedHealthCheck, blamed on this property, whether the model was
     # right or wrong: the call's verdict then rests on the forward check, as the check's does.
-    if any(f.check == BY_PATH and f.outcome == "not_applicable" for f in o.diagnosis.findings):
+    if rows_unobserved(o.diagnosis.findings):
         o = _observed(target, case, "gradient", "forward")
     if o.diagnosis.wrong:  # another check of this call says wrong: its diagnosis, not a discard
         raise PropertyFailure("torch_gradient_by_path",

@@ -162,6 +162,32 @@ def test_a_failure_message_puts_the_diagnosis_first_then_the_rows_then_the_batch
     assert info.value.label == "input_path_missing"
 
 
+def test_rows_that_are_the_models_own_are_not_reported_as_compared() -> None:
+    # A kind that cannot observe a use of the tie (a detached lookup) judges its own gradient,
+    # split as its backward split it: "0 wrong, all exactly right" and "power: input path NO"
+    # would describe a comparison with itself beside a forward check that found rows wrong.
+    from dataclasses import replace
+
+    from tyingspec._src.core.findings import failed, uses_unobserved
+    from tyingspec._src.core.render import diagnosis_lines
+
+    obs = observe(load("tied", "model"), Case("m", V=12, d=3, N=4, seed=5))
+    compared = diagnosis_lines(obs.diagnosis, indent="")
+    assert compared[1].startswith("rows: 0 wrong, 12 of 12 exactly right")
+    assert any(line.startswith("power: ") for line in compared)
+    own = replace(obs.diagnosis, label="input_path_missing", findings=(
+        uses_unobserved("a use of the tied weight cannot be observed (a detached lookup)"),
+        failed("gradient against the forward", "agrees with the loss", "input_path_missing",
+               "rows [1, 2] disagree with the forward")))
+    lines = diagnosis_lines(own, indent="")
+    rows = [line for line in lines if line.startswith("rows: ")]
+    assert rows == ["rows: not compared with a reference: a use of the tied weight cannot be "
+                    "observed, so the rows are the model's own (gradient by path: n/a); the "
+                    "gradient against the forward judges them"]
+    assert not any(line.startswith(("power: ", "judged at ")) for line in lines)
+    assert any("FAIL gradient against the forward" in line for line in lines)
+
+
 def test_absent_rows_property_lets_a_dropped_input_path_pass_as_it_should() -> None:
     # Dropping the input path leaves every absent row exact: this property alone cannot see it.
     cell = run_property(PROPERTIES["absent_rows_are_output_path"], REGISTRY["output-path-only"],

@@ -58,3 +58,22 @@ def failed(check: str, invariant: str, label: Label, detail: str,
 
 def not_applicable(check: str, invariant: str, why: str) -> Finding:
     return Finding(check, invariant, "not_applicable", why)
+
+
+#: The check a kind reports as not applicable when a use of the tie cannot be observed (a
+#: detached lookup, a custom Function): its rows are then the target's own gradient, split as
+#: its backward split it, so comparing them with itself is no evidence, and the forward check
+#: judges them instead.
+BY_PATH = "gradient by path"
+BY_PATH_INVARIANT = ("the tied gradient is the input path's scatter-add of dx plus the output "
+                     "path's g.T @ h, row by row")
+
+
+def uses_unobserved(why: str) -> Finding:
+    """The :data:`BY_PATH` finding of a call whose uses of the tie could not be observed."""
+    return not_applicable(BY_PATH, BY_PATH_INVARIANT, why)
+
+
+def rows_unobserved(findings: tuple[Finding, ...] | list[Finding]) -> bool:
+    """Whether a call's rows are its own (see :data:`BY_PATH`), not a reference's."""
+    return any(f.check == BY_PATH and f.outcome == "not_applicable" for f in findings)

@@ -9,6 +9,7 @@ from typing import Any
 
 from tyingspec._src.core.cases import Case
 from tyingspec._src.core.diagnosis import Diagnosis
+from tyingspec._src.core.findings import BY_PATH, rows_unobserved
 from tyingspec._src.core.paths import GAUSSIAN_DIRECTIONS, SAMPLED_COLUMNS
 
 
@@ -55,6 +56,14 @@ def diagnosis_lines(d: Diagnosis, *, stage: str = "first call",
     lines += [o.describe() for o in d.others if not o.ok]
     if mutated:
         lines.append(f"the adapter modified its inputs: {', '.join(mutated)}")
+    if rows_unobserved(d.findings):
+        # the rows are the model's own gradient, split as its backward split it: their count,
+        # power and margin would describe a comparison with itself ("0 wrong, all exactly
+        # right" beside a forward check that found rows wrong)
+        lines.append(f"rows: not compared with a reference: a use of the tied weight cannot "
+                     f"be observed, so the rows are the model's own ({BY_PATH}: n/a); the "
+                     "gradient against the forward judges them")
+        return [indent + line for line in lines]
     lines.append(f"rows: {d.rows_wrong} wrong, {exact_cell(d)} exactly right"
                  + (f"; wrong rows {rows_text(d.wrong_rows)}" if d.wrong_rows else ""))
     lines += [f"  {cause}: rows {rows_text(rows)}" for cause, rows in d.row_causes.items()]

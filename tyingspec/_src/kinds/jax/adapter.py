@@ -22,7 +22,7 @@ import numpy as np
 
 from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
 from tyingspec._src.core.diagnosis import Label
-from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
+from tyingspec._src.core.findings import Finding, failed, passed, uses_unobserved
 from tyingspec._src.core.process_state import jax_state_kept
 from tyingspec._src.core.tolerance import precision_of
 from tyingspec._src.kinds.jax import split
@@ -94,9 +94,7 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
         evidence.update(observed_by="uses", tokens=obs.ids, dx=obs.dx, h=obs.h, g=obs.g)
     else:
         evidence.update(observed_by="split", dE_in=obs.dE_in, why=obs.problem)
-        findings.append(not_applicable(
-            "gradient by path", "the tied gradient is the input path's scatter-add of dx plus "
-            "the output path's g.T @ h, row by row",
+        findings.append(uses_unobserved(
             f"a use of the table cannot be observed ({obs.problem}); the tied gradient is "
             "checked against the forward instead"))
     if "forward" in checks:

@@ -36,7 +36,7 @@ from torch import nn
 
 from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
 from tyingspec._src.core.diagnosis import Label
-from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
+from tyingspec._src.core.findings import Finding, failed, not_applicable, passed, uses_unobserved
 from tyingspec._src.core.process_state import torch_state_kept
 from tyingspec._src.core.tolerance import Precision, precision_of
 from tyingspec._src.kinds.torch.discover import (
@@ -103,9 +103,7 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     evidence, own, loss = _observe_paths(build, model, tie, loss_of, t, y)
     unit = _unit(build.dtype)
     if evidence["observed_by"] != "uses":
-        findings.append(not_applicable(
-            "gradient by path", "the tied gradient is the input path's scatter-add of dx plus "
-            "the output path's g.T @ h, row by row",
+        findings.append(uses_unobserved(
             f"a use of the tied weight cannot be observed ({evidence['why']}), so dx, h and g "
             "cannot be vouched for; the tied gradient is checked against the forward instead"))
     if tie.padding_idx is not None:
