@@ -186,6 +186,16 @@ def test_rows_that_are_the_models_own_are_not_reported_as_compared() -> None:
                     "gradient against the forward judges them"]
     assert not any(line.startswith(("power: ", "judged at ")) for line in lines)
     assert any("FAIL gradient against the forward" in line for line in lines)
+    # a correct case's one line of numbers says the same
+    from tyingspec._src.front.check import CaseResult
+    from tyingspec._src.front.report import render_case
+
+    passed = replace(obs.diagnosis, findings=own.findings[:1])
+    shown = render_case(CaseResult(obs.case, "correct", passed))
+    assert shown[1:] == ["  " + rows[0], "  n/a  gradient by path [" + passed.findings[0].invariant
+                         + "]: " + passed.findings[0].detail]
+    assert render_case(CaseResult(obs.case, "correct", obs.diagnosis))[1].startswith(
+        "  power: input path yes")
 
 
 def test_absent_rows_property_lets_a_dropped_input_path_pass_as_it_should() -> None:

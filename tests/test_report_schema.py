@@ -232,6 +232,24 @@ def test_a_failing_built_in_writes_a_valid_check_report(
     assert_valid(report, "check-1.json")
 
 
+def test_a_torch_model_whose_uses_cannot_be_observed_says_its_rows_were_not_compared(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # its rows are its own gradient set against itself: "rows_wrong": 0 is no evidence, and a
+    # gate reading the JSON is told so beside it
+    pytest.importorskip("torch")
+    report = run_json(tmp_path, ["check", "nanogpt-input-path-dropped", "--kind", "torch",
+                                 "--case", "absent-tokens"], 1, capsys)
+    assert report["diagnosis"] == "input_path_missing"
+    (case,) = report["cases"]
+    assert case["rows_compared"] is False and case["diagnosis"]["rows_compared"] is False
+    assert case["rows_wrong"] == 0  # the comparison with itself: why the flag is there
+    assert_valid(report, "check-1.json")
+    observed = run_json(tmp_path, ["check", "nanogpt", "--kind", "torch", "--case",
+                                   "absent-tokens"], 0, capsys)
+    assert [c["rows_compared"] for c in observed["cases"]] == [True]
+    assert_valid(observed, "check-1.json")
+
+
 def test_a_linear_ce_run_writes_a_valid_check_report(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = run_json(tmp_path, ["check", "ce-numpy", "--kind", "linear-ce"], 0, capsys)

@@ -12,11 +12,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tyingspec._src.core import threads
+from tyingspec._src.core.findings import Finding, rows_unobserved
 from tyingspec._src.core.labels import (
     LABELS as LABELS,  # re-exported: tyingspec.LABELS and the tests read it here
 )
@@ -29,9 +30,6 @@ from tyingspec._src.core.tolerance import (
     precision_of,
     row_tolerance,
 )
-
-if TYPE_CHECKING:
-    from tyingspec._src.core.findings import Finding
 
 #: Labels that say less than a catalogue or path label: a run that also reached one of those is
 #: named by it (an example with every row present cannot say which path is wrong).
@@ -136,6 +134,12 @@ class Diagnosis:
         return self.tolerance.dtype
 
     @property
+    def rows_compared(self) -> bool:
+        """False where the rows are the target's own gradient, not compared with a reference
+        (a use of the tie could not be observed: see ``core.findings.BY_PATH``)."""
+        return not rows_unobserved(self.findings)
+
+    @property
     def rows_exact(self) -> int:
         return self.rows_total - self.rows_wrong
 
@@ -166,6 +170,7 @@ class Diagnosis:
             "precision": self.precision,
             "margin": self.margin,
             "rows_projected": self.rows_projected,
+            "rows_compared": self.rows_compared,
             "rtol": self.tolerance.rtol,
             "power": self.power.as_dict(),
             "scales": None if self.scales is None else list(self.scales),

@@ -47,6 +47,15 @@ def power_text(d: Diagnosis) -> str:
             f"duplicates {yn(p.duplicates)}")
 
 
+#: What a report says of the rows where a use of the tie cannot be observed: they are the
+#: model's own gradient, split as its backward split it, so their count, power and margin
+#: would describe a comparison with itself ("0 wrong, all exactly right" beside a forward
+#: check that found rows wrong).
+ROWS_UNOBSERVED = (f"rows: not compared with a reference: a use of the tied weight cannot be "
+                   f"observed, so the rows are the model's own ({BY_PATH}: n/a); the gradient "
+                   "against the forward judges them")
+
+
 def diagnosis_lines(d: Diagnosis, *, stage: str = "first call",
                     mutated: tuple[str, ...] = (), indent: str = "  ") -> list[str]:
     """The diagnosis block: label and sentence, other outputs, rows, causes, power, numbers."""
@@ -57,12 +66,7 @@ def diagnosis_lines(d: Diagnosis, *, stage: str = "first call",
     if mutated:
         lines.append(f"the adapter modified its inputs: {', '.join(mutated)}")
     if rows_unobserved(d.findings):
-        # the rows are the model's own gradient, split as its backward split it: their count,
-        # power and margin would describe a comparison with itself ("0 wrong, all exactly
-        # right" beside a forward check that found rows wrong)
-        lines.append(f"rows: not compared with a reference: a use of the tied weight cannot "
-                     f"be observed, so the rows are the model's own ({BY_PATH}: n/a); the "
-                     "gradient against the forward judges them")
+        lines.append(ROWS_UNOBSERVED)
         return [indent + line for line in lines]
     lines.append(f"rows: {d.rows_wrong} wrong, {exact_cell(d)} exactly right"
                  + (f"; wrong rows {rows_text(d.wrong_rows)}" if d.wrong_rows else ""))

@@ -60,7 +60,7 @@ class CaseResult:
             dd = self.diagnosis.as_dict()
             d.update({k: dd[k] for k in ("label", "detail", "rows_total", "rows_wrong",
                                          "rows_exact", "wrong_rows", "max_abs_error",
-                                         "max_rel_error", "power")})
+                                         "max_rel_error", "power", "rows_compared")})
             d["diagnosis"] = dd
         if self.shrunk is not None:
             d["smallest_batch"] = {"tokens": list(self.shrunk.tokens or ()),
