@@ -25,9 +25,12 @@ It prints min/median/max of each, median(b)/median(a), median(b) - median(S),
 median(b) - median(I): what the check costs beyond starting a process that imports the target,
 median(F)/median(a): what a check would cost if its reference, judgement and second call
 were free, and (median(I) + median(a))/median(a): the same for a check that builds its batch
-while the target is imported, as tyingspec's does.  Last, (b - F)/a round by round: (a), (b)
+while the target is imported, as tyingspec's does.  Then (b - F)/a round by round: (a), (b)
 and (F) run back to back in each round, so the machine's drift between rounds (a tenth or more
-within a minute on a shared VM) cancels in each round's ratio.
+within a minute on a shared VM) cancels in each round's ratio.  Last, the CPU seconds (user +
+system, of every process and thread) of (a), (b) and (F), and the least (b - F)/a that (b)'s CPU
+seconds allow however its parts were ordered on the machine's cores (CPU(b) / cores - F) / a:
+where that alone is above a target, only less work can meet it.
 
 Part 2 (verdicts): each broken torch variant, the correct one and the float64-returning one,
 checked at the same shape on the case that exposes its bug; prints the JSON's verdict, label,
@@ -43,6 +46,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -181,6 +186,23 @@ def timed_process(argv: list[str]) -> float:
     return timed(lambda: subprocess.run(argv, cwd=REPO, check=True))
 
 
+def children_cpu() -> float:
+    """CPU seconds (user + system) of every process this one has started and waited for, and
+    theirs in turn: a check's worker is reaped by the check, so it counts in the check's."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def with_cpu(run: Callable[[], float], cpu: Callable[[], float], into: list[float]
+             ) -> float:
+    """``run()``'s own figure, and the CPU seconds ``cpu`` counts across it appended to
+    ``into``."""
+    c0 = cpu()
+    out = run()
+    into.append(cpu() - c0)
+    return out
+
+
 def spread(xs: Sequence[float]) -> str:
     return (f"min {min(xs):8.3f} s  median {statistics.median(xs):8.3f} s  "
             f"max {max(xs):8.3f} s")
@@ -213,6 +235,7 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     parts = floor_parts(batch)
     part: dict[str, list[float]] = {k: [] for k in parts}
     last: dict[str, Run] = {}
+    cpu: dict[str, list[float]] = {"a": [], "b": [], "F": []}
 
     def checked(name: str) -> float:
         """The whole command on ``name``; its run kept for the summary."""
@@ -223,9 +246,9 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     for _ in range(repeats):
         # (a), (b) and (F) back to back: this VM's speed drifts by a tenth or more within a
         # minute, so the round's own (b) - (F) over its own (a) is the figure it can vouch for
-        a.append(timed(fb))
-        b.append(checked("tied_f32"))
-        fl.append(timed_process(floor_argv(shape)))
+        a.append(with_cpu(lambda: timed(fb), time.process_time, cpu["a"]))
+        b.append(with_cpu(lambda: checked("tied_f32"), children_cpu, cpu["b"]))
+        fl.append(with_cpu(lambda: timed_process(floor_argv(shape)), children_cpu, cpu["F"]))
         c.append(checked(BROKEN_TIMED))
         s.append(run_cli(["--help"]).seconds)
         imp.append(timed_process([sys.executable, "-c", f"import {MODULE}"]))
@@ -264,6 +287,28 @@ def timing(shape: tuple[int, int, int], repeats: int, seed: int, tmp: Path) -> N
     print_floor(part, ma, {"(b) - (F), what the check adds": mb - mf}, imported=mi)
     print(paired("(b) - (F) over (a), round by round (a, b and F run back to back)",
                  [(bi - fi) / ai for ai, bi, fi in zip(a, b, fl)]))
+    print_work(a, b, fl, cpu)
+
+
+def print_work(a: Sequence[float], b: Sequence[float], fl: Sequence[float],
+               cpu: dict[str, list[float]]) -> None:
+    """The CPU seconds (user + system, every process and thread) of (a), (b) and (F), and what
+    (b)'s alone allow: on ``cores`` cores the whole check takes at least its CPU seconds over
+    ``cores`` however its parts are ordered, so ``(CPU(b) / cores - F) / a`` is the least
+    (b) - (F) over (a) that this much work permits (against (F)'s own time, which leaves cores
+    idle while the target is imported)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    print(f"CPU seconds, user + system: (a) {spread(cpu['a'])}")
+    print(f"                            (b) {spread(cpu['b'])}")
+    print(f"                            (F) {spread(cpu['F'])}")
+    extra = statistics.median(cpu["b"]) - statistics.median(cpu["F"])
+    busy = statistics.median(cb / (cores * tb) for cb, tb in zip(cpu["b"], b))
+    print(f"(b) - (F) in CPU seconds: {extra:.2f} (medians); (b) kept {busy:.0%} of {cores} "
+          "cores busy")
+    print(paired(f"the least (b) - (F) over (a) that (b)'s CPU seconds allow on {cores} cores, "
+                 "round by round", [(cb / cores - fi) / ai
+                                    for ai, cb, fi in zip(a, cpu["b"], fl)]))
 
 
 def paired(what: str, ratios: Sequence[float]) -> str:
