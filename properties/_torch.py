@@ -13,7 +13,7 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from tyingspec._src.core.cases import Case
-from tyingspec._src.core.findings import Finding, rows_unobserved
+from tyingspec._src.core.findings import Finding
 from tyingspec._src.core.strategies import cases
 from tyingspec._src.engine.observe import Observation, Target, observe, own_case
 
@@ -77,7 +77,7 @@ def torch_gradient_by_path(target: Target, case: Case) -> None:
     # model's own and have none on any example, so every example was discarded and Hypothesis
     # failed the run with FailedHealthCheck, blamed on this property, whether the model was
     # right or wrong: the call's verdict then rests on the forward check, as the check's does.
-    if rows_unobserved(o.diagnosis.findings):
+    if not o.diagnosis.rows_compared:
         o = _observed(target, case, "gradient", "forward")
     if o.diagnosis.wrong:  # another check of this call says wrong: its diagnosis, not a discard
         raise PropertyFailure("torch_gradient_by_path",

@@ -9,7 +9,7 @@ from typing import Any
 
 from tyingspec._src.core.cases import Case
 from tyingspec._src.core.diagnosis import Diagnosis
-from tyingspec._src.core.findings import BY_PATH, rows_unobserved
+from tyingspec._src.core.findings import BY_PATH
 from tyingspec._src.core.paths import GAUSSIAN_DIRECTIONS, SAMPLED_COLUMNS
 
 
@@ -65,7 +65,7 @@ def diagnosis_lines(d: Diagnosis, *, stage: str = "first call",
     lines += [o.describe() for o in d.others if not o.ok]
     if mutated:
         lines.append(f"the adapter modified its inputs: {', '.join(mutated)}")
-    if rows_unobserved(d.findings):
+    if not d.rows_compared:
         lines.append(ROWS_UNOBSERVED)
         return [indent + line for line in lines]
     lines.append(f"rows: {d.rows_wrong} wrong, {exact_cell(d)} exactly right"

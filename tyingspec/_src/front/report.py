@@ -6,8 +6,7 @@ JSON schema ``tyingspec.check/1`` (documented in the README)::
      "exit_code", "load_error", "cases": [{"name", "seed", "V", "d", "N", "res", "s_in", "bias",
        "dtype", "status", "stage", "label", "detail", "rows_total", "rows_wrong", "rows_exact",
        "wrong_rows", "max_abs_error", "max_rel_error", "power", "rows_compared", "error",
-       "mutated_inputs",
-       "smallest_batch", "replay", "diagnosis"}]}
+       "mutated_inputs", "smallest_batch", "replay", "diagnosis"}]}
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tyingspec._src.core.files import atomic_write
-from tyingspec._src.core.findings import rows_unobserved
 from tyingspec._src.core.render import (
     ROWS_UNOBSERVED,
     diagnosis_lines,
@@ -50,7 +48,7 @@ def render_case(r: CaseResult, *, structural: bool = True) -> list[str]:
     if d is not None and r.status != "correct":
         lines += diagnosis_lines(d, stage=r.stage, mutated=r.mutated)
     elif d is not None:
-        lines.append(f"  {ROWS_UNOBSERVED}" if rows_unobserved(d.findings) else
+        lines.append(f"  {ROWS_UNOBSERVED}" if not d.rows_compared else
                      f"  {power_text(d)}; judged at {d.precision}, worst row {d.margin:.3g}x "
                      f"its rounding bound{projected_text(d)}")
         lines += finding_lines(d, structural=structural)
