@@ -689,3 +689,45 @@ def test_a_custom_function_lookup_with_a_correct_backward_is_correct(tmp_path: P
     assert_correct(rep)
     # its uses cannot be observed: the forward check is what decides, and it ran
     assert "gradient against the forward" in ran_checks(rep), summary(rep)
+
+
+# --- a lookup whose output is detached: the step's finding names the input path ------------
+
+DETACHED_LOOKUP = '''
+    class DetachedLookup(nn.Module):
+        """The embedding module is seen by the observer, but its output is detached: no lookup
+        gradient reaches the tied weight (the input path is dropped)."""
+
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(V, D)
+            self.body = Body()
+            self.head = nn.Linear(D, V, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, idx, targets):
+            logits = self.head(self.body(self.wte(idx).detach()))
+            return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+
+
+    def make_model():
+        torch.manual_seed(0)
+        return small_init(DetachedLookup())
+'''
+
+
+def test_a_detached_lookup_is_named_input_path_missing_after_training_steps_too(
+        tmp_path: Path) -> None:
+    # On a batch of repeated tokens every present row is a repeated token's row, so "exactly
+    # rows of tokens seen more than once" fits the wrong rows as well as "present rows": only
+    # the evidence that no lookup gradient reaches E tells them apart.  The step's own pass
+    # sees the lookup receive no gradient; it once labelled the step duplicates_not_accumulated.
+    rep = check(tmp_path, "detached_lookup", DETACHED_LOOKUP, only="repeated-tokens")
+    assert rep.exit_code == 1, summary(rep)
+    (result,) = rep.results
+    assert result.diagnosis is not None, summary(rep)
+    steps = [f for f in result.diagnosis.findings if f.check == "gradient after training steps"]
+    assert [f.outcome for f in steps] == ["failed"], summary(rep)
+    assert steps[0].label == "input_path_missing", summary(rep)
+    assert "never reaches E through autograd" in steps[0].detail, summary(rep)
+    assert result.diagnosis.label == "input_path_missing", summary(rep)

@@ -129,7 +129,8 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
                             "count within a call, so micro-batches rightly differ from one "
                             "batch"))
     if "steps" in checks:
-        findings.append(_training_steps(build, target, tie, loss_of, t, y, seed))
+        findings.append(_training_steps(build, target, tie, loss_of, t, y, seed,
+                                        bool(evidence.get("input_reached", True))))
     evidence["tie"] = asdict(tie)
     return Returned(own, (), build.precision, loss=loss, evidence=evidence,
                     findings=tuple(findings))
@@ -756,9 +757,12 @@ TRAINING_STEPS = 3
 
 
 def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
-                    t: torch.Tensor, y: torch.Tensor, seed: int) -> Finding:
+                    t: torch.Tensor, y: torch.Tensor, seed: int,
+                    input_reached: bool = True) -> Finding:
     """A training loop's gradient after ``TRAINING_STEPS`` optimizer steps, judged row by row
-    against the reference built from that step's own uses, with the same engine."""
+    against the reference built from that step's own uses, with the same engine.
+    ``input_reached``: the first call's untied pass saw the lookup's gradient reach E (the
+    same model code; a step's own pass says so too where its uses were all seen)."""
     from tyingspec._src.core.cases import kernel_paths
     from tyingspec._src.core.diagnosis import diagnose
     from tyingspec._src.kinds.torch.uses import observed_uses
@@ -792,8 +796,8 @@ def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
         # the uses this step takes cannot be vouched for (a lookup that switched to a custom
         # kernel): this step's gradient against the stepped model's own forward instead
         why = _differenced(m, _unit(uses.least_precise), build.dtype, tie, loss_of, t, y,
-                           _grad(m, tie), seed, True, _reads(m, {}, t, y), None,
-                           check, invariant)
+                           _grad(m, tie), seed, input_reached and uses.input_reached(),
+                           _reads(m, {}, t, y), None, check, invariant)
         where = f"{steps}, against the forward (the uses cannot be observed: {problem})"
         return replace(why, detail=f"{where}: {why.detail}")
     paths = kernel_paths(*_observed(uses, tie), tie.vocab, "float64")

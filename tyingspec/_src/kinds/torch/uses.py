@@ -90,6 +90,13 @@ class Uses:
             return "a head's output never received a gradient"
         return None
 
+    def input_reached(self) -> bool:
+        """False when the pass shows that no lookup's gradient reaches the tied weight through
+        autograd (every lookup seen, none received a gradient at its output, no use left
+        unobserved): the same evidence the first call takes from its untied pass."""
+        return bool(self.unobserved) or not self.lookups or \
+            any(u.get("dx") is not None for u in self.lookups)
+
 
 def _name(func: Any) -> str:
     return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or func)
