@@ -63,10 +63,12 @@ from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any
 
-from tyingspec._src.core import memory
 from tyingspec._src.core.options import DEFAULT_TIMEOUT
 
-__all__ = ["DEFAULT_TIMEOUT", "Worker", "install_signal_cleanup"]
+# numpy (and core.memory, which needs it) load where they are used: the command starts its
+# worker before this process loads numpy (see :func:`launch_early`).
+
+__all__ = ["DEFAULT_TIMEOUT", "Worker", "install_signal_cleanup", "launch_early"]
 #: Seconds the import and signature check of a target may take.
 LOAD_TIMEOUT = 120.0
 
@@ -384,6 +386,8 @@ def _create(nbytes: int, name: str | None = None, *, populate: bool = True) -> A
     none allocated yet (a block :func:`_write_result` fills through its descriptor)."""
     from multiprocessing import shared_memory
 
+    from tyingspec._src.core import memory
+
     block = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
     if populate:
         memory.populate(block, write=True)
@@ -398,6 +402,8 @@ def _take(shared: _Shared) -> Any:
     _Refused when the block is missing or smaller than the array said to be in it."""
     import mmap
     from multiprocessing import shared_memory
+
+    from tyingspec._src.core import memory
 
     dtype = _dtype_of(shared.dtype)
     try:
@@ -445,6 +451,8 @@ def _write_result(a: Any, block: Any) -> _Shared:
     0.077-0.099 s)."""
     import numpy as np
 
+    from tyingspec._src.core import memory
+
     fd = getattr(block, "_fd", -1)
     if not hasattr(os, "pwrite") or fd < 0:
         memory.populate(block, write=True)
@@ -466,6 +474,8 @@ def _attach(name: str, attached: dict[str, Any]) -> Any:
     block = attached.get(name)
     if block is None:
         from multiprocessing import shared_memory
+
+        from tyingspec._src.core import memory
 
         block = attached[name] = shared_memory.SharedMemory(name=name)
         memory.populate(block, write=False)
@@ -919,6 +929,37 @@ def _start(spec: str, kind: str, paths: tuple[str, ...],
     return proc, parent
 
 
+#: A worker started before this process loaded numpy and the rest of tyingspec (see
+#: :func:`launch_early`), by the (spec, kind, paths, timeout) it was started for.
+_EARLY: dict[tuple[str, str, tuple[str, ...], float], tuple[_Process, Connection]] = {}
+
+
+def launch_early(spec: str, kind: str, paths: tuple[str, ...],
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Start now the worker that ``Worker(spec, kind, timeout, paths).launch()`` would start
+    later.  The command knows its target from its arguments before it has loaded numpy and
+    the modules of a check (0.2 s of a cold check on a 2-core VM), and the worker's import of
+    the target is the longest part of a check's start.  The first :meth:`Worker.launch` for the
+    same target takes it over, and any other launch ends it; one never taken is ended with the
+    process, like every worker."""
+    install_signal_cleanup()
+    _EARLY[(spec, kind, tuple(paths), float(timeout))] = _start(spec, kind, tuple(paths),
+                                                                 timeout)
+
+
+def _early(key: tuple[str, str, tuple[str, ...], float]) -> tuple[_Process, Connection] | None:
+    """The early worker started for ``key``, if any; an early worker for another target (the
+    command's guess of its arguments was wrong) is ended here."""
+    found = _EARLY.pop(key, None)
+    for proc, conn in list(_EARLY.values()):
+        conn.close()
+        _kill(proc)
+        proc.join(5)
+        _LIVE.pop(proc.pid, None)
+    _EARLY.clear()
+    return found
+
+
 @dataclass(eq=False)
 class Worker:
     """A persistent worker process for one target; restarted after a crash or a timeout."""
@@ -942,7 +983,8 @@ class Worker:
         """Start the worker and let it import the target while this process goes on; the
         answer is :meth:`wait_loaded`'s (every call waits for it first)."""
         install_signal_cleanup()
-        proc, parent = _start(self.spec, self.kind, self.paths, self.timeout)
+        proc, parent = _early((self.spec, self.kind, tuple(self.paths), float(self.timeout))) \
+            or _start(self.spec, self.kind, self.paths, self.timeout)
         self._proc, self._conn = proc, parent
         self._loading = time.monotonic() + LOAD_TIMEOUT
 

@@ -1,4 +1,13 @@
-"""The ``tyingspec`` command's process, before numpy loads: how its BLAS threads wait.
+"""The ``tyingspec`` command's process, before numpy loads: its worker first, then how its BLAS
+threads wait.
+
+A check of a ``module:attr`` target spends its first seconds in the worker's import of the
+target (torch and the user's module), and everything this process does before it starts that
+worker (loading numpy and the modules of a check, parsing its arguments: 0.2 s on a 2-core VM)
+comes on top.  So the command reads the target, kind and timeout from its arguments first
+(:func:`early_target`, a guess that declines whatever it is unsure of) and starts the worker
+before anything else; the check takes it over when it loads that same target, and a wrong guess
+costs only the head start (see ``engine.isolation.launch_early``).
 
 OpenBLAS (numpy's BLAS) keeps its threads spinning for about 2**28 cycles (a tenth of a second)
 after each product before they sleep, and reads how long from ``OPENBLAS_THREAD_TIMEOUT`` once,
@@ -38,8 +47,47 @@ def load_numpy() -> bool:
     return True
 
 
+def early_target(argv: Sequence[str]) -> tuple[str, str, float] | None:
+    """The (spec, kind, timeout) of ``tyingspec check MODULE:ATTR ...``, read from ``argv``
+    before its parser exists (it needs numpy): the target right after ``check``, the last
+    ``--kind`` and ``--timeout`` as argparse takes them.  None for anything else, or anything
+    this reading is unsure of; a wrong guess costs the head start, never the result, since
+    the worker is taken over only by a launch for the same target (see
+    ``engine.isolation.launch_early``)."""
+    from tyingspec._src.core.options import DEFAULT_TIMEOUT, positive_seconds
+
+    if len(argv) < 2 or argv[0] != "check" or argv[1].startswith("-") or ":" not in argv[1]:
+        return None
+    given = {"--kind": "model", "--timeout": str(DEFAULT_TIMEOUT)}
+    rest = list(argv[2:])
+    for i, arg in enumerate(rest):
+        name, eq, value = arg.partition("=")
+        if arg in ("-h", "--help", "--list", "--"):
+            return None
+        if name in given:
+            if not eq:
+                if i + 1 >= len(rest):
+                    return None
+                value = rest[i + 1]
+            given[name] = value
+    try:
+        timeout = positive_seconds(given["--timeout"])
+    except Exception:  # noqa: BLE001  (argparse says what is wrong with it, later)
+        return None
+    return argv[1], given["--kind"], timeout
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tyingspec`` console script and ``python -m tyingspec``."""
+    """Entry point of the ``tyingspec`` console script and ``python -m tyingspec``: a check of
+    a ``module:attr`` target starts its worker first, then this process loads numpy."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    early = early_target(args) if "numpy" not in sys.modules else None
+    if early is not None:
+        from tyingspec._src.engine.isolation import launch_early
+
+        spec, kind, timeout = early
+        # the paths and timeout ``front.cli`` gives check_target
+        launch_early(spec, kind, (os.getcwd(),), timeout)
     load_numpy()
     from tyingspec._src.front.cli import main as cli_main
 
