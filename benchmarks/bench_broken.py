@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_check import spread, tyingspec_cmd  # noqa: E402
+from benchmarks.bench_check import spread  # noqa: E402
+from benchmarks.launch import tyingspec_cmd  # noqa: E402
 
 NAMES = ("tied", "output-path-only", "duplicates-buffered", "paths-averaged")
 

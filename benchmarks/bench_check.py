@@ -48,7 +48,6 @@ import io
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/bench_check.py` as well as `python -m`
     sys.path.insert(0, str(REPO))
 
+from benchmarks.launch import tyingspec_cmd  # noqa: E402
 from benchmarks.torch_probe import ADAPTERS, tied_f32  # noqa: E402
 from tyingspec import build, standard_cases  # noqa: E402
 from tyingspec._src.core.cases import Batch, at_shape  # noqa: E402
@@ -70,12 +70,6 @@ from tyingspec._src.reproduce._common import single_threaded_blas  # noqa: E402
 
 MODULE = "benchmarks.torch_probe"
 BROKEN_TIMED = "input_path_dropped"
-
-
-def tyingspec_cmd() -> list[str]:
-    """The console script a user runs (``python -m tyingspec`` if it is not on PATH)."""
-    exe = shutil.which("tyingspec")
-    return [exe] if exe else [sys.executable, "-m", "tyingspec"]
 
 
 def check_argv(target: str, shape: tuple[int, int, int], case: str, precision: str,

@@ -36,11 +36,24 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tyingspec._src.front.entry import load_numpy  # noqa: E402
+
+load_numpy()  # as the console script does, before anything loads numpy (see front.entry)
+
+import resource  # noqa: E402
+
 import tyingspec._src.engine.isolation as iso  # noqa: E402
 import tyingspec._src.engine.observe as ob  # noqa: E402
 from tyingspec._src.front import cli  # noqa: E402
 
 EVENTS: list[tuple[float, float, str]] = []
+CPU: dict[tuple[float, str], float] = {}  # (start, label) -> this process's CPU seconds
+
+
+def cpu_now() -> float:
+    """This process's CPU seconds so far, user + system, all its threads (BLAS's included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 Record = Callable[[float, float, str], None]  # (started, seconds, label)
@@ -58,7 +71,17 @@ def wrapped(label: str, f: Callable[..., Any], record: Record) -> Callable[..., 
 
 
 def timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
-    return wrapped(label, f, lambda s, dt, name: EVENTS.append((s - T0, dt, name)))
+    def record(s: float, dt: float, name: str) -> None:
+        EVENTS.append((s - T0, dt, name))
+
+    def with_cpu(*a: Any, **k: Any) -> Any:
+        c = cpu_now()
+        s = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            CPU[(s - T0, label)] = cpu_now() - c
+    return wrapped(label, with_cpu, record)
 
 
 def quiet_command(argv: Sequence[str]) -> tuple[int, str]:
@@ -136,10 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"== one cold check at V={a.V} d={a.d} N={a.N}, float32 (exit {code}): imports "
           f"{started:.2f} s, the command {end - started:.2f} s, {end:.2f} s in all")
     print(verdict)
-    print(f"{'start':>7} {'seconds':>8}  phase")
+    print(f"{'start':>7} {'seconds':>8} {'CPU s':>6}  phase (CPU: this process, all threads)")
     for s, dt, label in sorted(EVENTS):
         if label != "w.wait_loaded" or dt >= 0.01:  # the engine looks often, without waiting
-            print(f"{s:7.2f} {dt:8.2f}  {label}")
+            cpu = min(((abs(t - s), c) for (t, n), c in CPU.items() if n == label),
+                      default=(0.0, float("nan")))[1]
+            print(f"{s:7.2f} {dt:8.2f} {cpu:6.2f}  {label}")
     print(overlap(EVENTS))
     return 0
 

@@ -19,7 +19,6 @@ It prints min/median/max of each and median(B)/median(A).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,10 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-
-def tyingspec_cmd() -> list[str]:
-    exe = shutil.which("tyingspec")
-    return [exe] if exe else [sys.executable, "-m", "tyingspec"]
+from benchmarks.launch import tyingspec_cmd  # noqa: E402
 
 
 def one_call(shape: tuple[int, int, int]) -> object:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -41,14 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.launch import tyingspec_cmd  # noqa: E402
+
 BUILTIN = {"kernel": "tied", "linear-ce": "ce-torch"}
 #: The case the (own) run builds its inputs from: one the check runs at every shape.
 OWN_CASE = {"kernel": "repeated-tokens", "linear-ce": "ce-plain"}
-
-
-def tyingspec_cmd() -> list[str]:
-    exe = shutil.which("tyingspec")
-    return [exe] if exe else [sys.executable, "-m", "tyingspec"]
 
 
 def own(kind: str, precision: str, V: int, d: int, N: int, case_name: str) -> None:
