@@ -5,10 +5,13 @@
 
 Runs the command ``bench_check`` times as (b), ``tyingspec check benchmarks.torch_probe:tied_f32
 --precision float32 --shape V,d,N --case absent-tokens --shrink-budget 0``, in this process
-(``front.cli.main``, the console script's own entry point), with each phase of the engine and
-of the worker's protocol wrapped in a timer, and prints every phase as (start, seconds, name),
-the start counted from this script's first line.  The phases: the worker's launch, the batch
-and reference built while the worker imports the target (``_prepare``), waiting for the import
+(``front.cli.main``, which the console script's ``front.entry.main`` calls), with each phase of
+the engine and of the worker's protocol wrapped in a timer, and prints every phase as (start,
+seconds, CPU seconds, name): the start counted from this script's first line, the CPU seconds
+those of this process (all its threads) during the phase.  numpy is loaded as the console
+script loads it (``front.entry``), but the command runs in process, so without the console
+script's early start of the worker.  The phases: the worker's launch, the batch and reference
+built while the worker imports the target (``_prepare``), waiting for the import
 (``w.wait_loaded``), each call (``w.submit`` sends the inputs, ``w.collect`` waits for the
 answer), judging, the SGD step and the second call's reference.  ``worker loaded`` is when the
 worker's answer to its import arrived (a thread polls the channel, reading nothing), and the
