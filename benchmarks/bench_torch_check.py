@@ -27,7 +27,6 @@ forward evaluations of a full finite-difference Jacobian).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from benchmarks.launch import tyingspec_cmd  # noqa: E402
 
 STEP = """
 import time, torch
@@ -53,11 +54,6 @@ def step():
 step()
 s = time.perf_counter(); step(); print(time.perf_counter() - s)
 """
-
-
-def tyingspec_cmd() -> list[str]:
-    exe = shutil.which("tyingspec")
-    return [exe] if exe else [sys.executable, "-m", "tyingspec"]
 
 
 def timed(argv: list[str]) -> tuple[float, subprocess.CompletedProcess[str]]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from benchmarks.launch import tyingspec_cmd  # noqa: E402
 
 ARCHS = {"gpt2": "gpt2", "gpt-neo": "gpt_neo", "bloom": "bloom", "falcon": "falcon",
          "opt": "opt", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
@@ -96,11 +97,6 @@ def phases(factory: str) -> dict[str, float]:
     return {"imports": imports, **spent, "in-process total": total}
 
 
-def _cmd() -> list[str]:
-    exe = shutil.which("tyingspec")
-    return [exe] if exe else [sys.executable, "-m", "tyingspec"]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -112,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for arch in a.arch:
             factory = ARCHS[arch]
             t0 = time.perf_counter()
-            run = subprocess.run(_cmd() + ["check", f"tests.transformers_zoo:{factory}",
+            run = subprocess.run(tyingspec_cmd() + ["check", f"tests.transformers_zoo:{factory}",
                                            "--kind", "torch"], cwd=REPO, capture_output=True,
                                  text=True)
             whole[arch].append(time.perf_counter() - t0)
