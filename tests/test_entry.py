@@ -188,3 +188,33 @@ def test_a_usage_error_after_an_early_start_leaves_no_worker_behind(tmp_path: Pa
     assert run.returncode == 2
     assert "no case 'no-such-case'" in run.stderr
     assert _left_behind(mark) == []
+
+
+NICE_PROBE = """
+import os
+from tyingspec._src.kinds.probe.builtins import REGISTRY
+
+with open({where!r}, "w") as fh:  # the worker's niceness, as it imports this module
+    fh.write(str(os.nice(0)))
+
+ok = REGISTRY["tied"].model
+"""
+
+
+def test_the_command_gives_way_to_its_worker_which_keeps_the_users_priority(
+        tmp_path: Path) -> None:
+    where = tmp_path / "worker_nice.txt"
+    (tmp_path / "nice_probe.py").write_text(NICE_PROBE.format(where=str(where)))
+    run = _fresh("""
+        import os, sys
+        from tyingspec._src.front.entry import NICE, main
+        before = os.nice(0)
+        code = main(sys.argv[1:])
+        print("nice", before, os.nice(0), NICE)
+        sys.exit(code)
+    """, cwd=tmp_path, argv=["check", "nice_probe:ok", "--case", "absent-tokens"])
+    assert run.returncode == 0, run.stdout + run.stderr
+    before, after, step = (int(x) for x in run.stdout.split("nice ")[-1].split())
+    assert step > 0
+    assert after == min(before + step, 19)  # the command's own process, lowered
+    assert int(where.read_text()) == before  # the worker, started first, as the user had it

@@ -7,7 +7,12 @@ worker (loading numpy and the modules of a check, parsing its arguments: 0.2 s o
 comes on top.  So the command reads the target, kind and timeout from its arguments first
 (:func:`early_target`, a guess that declines whatever it is unsure of) and starts the worker
 before anything else; the check takes it over when it loads that same target, and a wrong guess
-costs only the head start (see ``engine.isolation.launch_early``).
+costs only the head start (see ``engine.isolation.launch_early``).  Once that worker runs, this
+process lowers its own scheduling priority (``NICE``): what it does beside the worker (the
+reference while the worker imports the target, the rest of it while the worker calls it) is
+bookkeeping the worker's progress should not wait for, and on a busy core the worker now goes
+first.  The worker keeps the user's priority; one restarted after a crash inherits this
+process's.
 
 OpenBLAS (numpy's BLAS) keeps its threads spinning for about 2**28 cycles (a tenth of a second)
 after each product before they sleep, and reads how long from ``OPENBLAS_THREAD_TIMEOUT`` once,
@@ -27,6 +32,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+#: How far this process's niceness rises once its early worker runs (``os.nice``; it can only
+#: rise).  On the 2-core VM of docs/speed.md, 10 interleaved pairs of the cold GPT-2-size check
+#: each: +5, median of the differences -0.18 s (9 of 10 faster); +10, -0.18 s (10 of 10); +19,
+#: -0.12 s (9 of 10).  The smallest that gains as much, so that on a machine shared with other
+#: jobs the check gives up no more than it must.
+NICE = 5
 #: OpenBLAS's shortest wait (2**4 cycles); the names OpenBLAS reads, the first one wins there.
 _WAIT = ("OPENBLAS_THREAD_TIMEOUT", "4")
 _READ = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
@@ -79,7 +90,8 @@ def early_target(argv: Sequence[str]) -> tuple[str, str, float] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tyingspec`` console script and ``python -m tyingspec``: a check of
-    a ``module:attr`` target starts its worker first, then this process loads numpy."""
+    a ``module:attr`` target starts its worker first and gives way to it (``NICE``), then this
+    process loads numpy."""
     args = sys.argv[1:] if argv is None else list(argv)
     early = early_target(args) if "numpy" not in sys.modules else None
     if early is not None:
@@ -88,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec, kind, timeout = early
         # the paths and timeout ``front.cli`` gives check_target
         launch_early(spec, kind, (os.getcwd(),), timeout)
+        try:
+            os.nice(NICE)
+        except (AttributeError, OSError):  # no nice here: the check runs as it did
+            pass
     load_numpy()
     from tyingspec._src.front.cli import main as cli_main
 
