@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -65,6 +64,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/bench_check.py` as well as `
 from benchmarks.launch import tyingspec_cmd  # noqa: E402
 from benchmarks.torch_probe import ADAPTERS, tied_f32  # noqa: E402
 from tyingspec import build, standard_cases  # noqa: E402
+from tyingspec._src.core import threads  # noqa: E402
 from tyingspec._src.core.cases import Batch, at_shape  # noqa: E402
 from tyingspec._src.reproduce._common import single_threaded_blas  # noqa: E402
 
@@ -291,8 +291,7 @@ def print_work(a: Sequence[float], b: Sequence[float], fl: Sequence[float],
     ``cores`` however its parts are ordered, so ``(CPU(b) / cores - F) / a`` is the least
     (b) - (F) over (a) that this much work permits (against (F)'s own time, which leaves cores
     idle while the target is imported)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
+    cores = threads.cores()  # what the check itself spreads its passes over
     print(f"CPU seconds, user + system: (a) {spread(cpu['a'])}")
     print(f"                            (b) {spread(cpu['b'])}")
     print(f"                            (F) {spread(cpu['F'])}")

@@ -28,6 +28,7 @@ T0 = time.perf_counter()
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import io  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -49,8 +50,8 @@ import tyingspec._src.engine.isolation as iso  # noqa: E402
 import tyingspec._src.engine.observe as ob  # noqa: E402
 from tyingspec._src.front import cli  # noqa: E402
 
-EVENTS: list[tuple[float, float, str]] = []
-CPU: dict[tuple[float, str], float] = {}  # (start, label) -> this process's CPU seconds
+#: (start, seconds, name, CPU seconds of this process in it; NaN for an instant)
+EVENTS: list[tuple[float, float, str, float]] = []
 
 
 def cpu_now() -> float:
@@ -74,17 +75,15 @@ def wrapped(label: str, f: Callable[..., Any], record: Record) -> Callable[..., 
 
 
 def timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
-    def record(s: float, dt: float, name: str) -> None:
-        EVENTS.append((s - T0, dt, name))
-
-    def with_cpu(*a: Any, **k: Any) -> Any:
-        c = cpu_now()
-        s = time.perf_counter()
+    """``f``, each call of it in ``EVENTS`` with its start, its seconds and the CPU seconds
+    this process spent in it, both clocks read at the same two moments."""
+    def run(*a: Any, **k: Any) -> Any:
+        c, s = cpu_now(), time.perf_counter()
         try:
             return f(*a, **k)
         finally:
-            CPU[(s - T0, label)] = cpu_now() - c
-    return wrapped(label, with_cpu, record)
+            EVENTS.append((s - T0, time.perf_counter() - s, label, cpu_now() - c))
+    return run
 
 
 def quiet_command(argv: Sequence[str]) -> tuple[int, str]:
@@ -113,16 +112,16 @@ def watch_loading(launch: Callable[..., Any]) -> Callable[..., Any]:
                 conn.poll(60.0)
             except (EOFError, OSError):
                 return
-            EVENTS.append((time.perf_counter() - T0, 0.0, "worker loaded"))
+            EVENTS.append((time.perf_counter() - T0, 0.0, "worker loaded", math.nan))
 
         threading.Thread(target=poll, daemon=True).start()
     return launched
 
 
-def overlap(events: Sequence[tuple[float, float, str]]) -> str:
+def overlap(events: Sequence[tuple[float, float, str, float]]) -> str:
     """How much of the first reference ran before the worker had loaded."""
-    loaded = [s for s, _, name in events if name == "worker loaded"]
-    refs = sorted((s, dt) for s, dt, name in events if name == "reference")
+    loaded = [s for s, _, name, _ in events if name == "worker loaded"]
+    refs = sorted((s, dt) for s, dt, name, _ in events if name == "reference")
     if not loaded or not refs:
         return "the worker's load or the reference was not seen"
     start, seconds = refs[0]
@@ -163,10 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{started:.2f} s, the command {end - started:.2f} s, {end:.2f} s in all")
     print(verdict)
     print(f"{'start':>7} {'seconds':>8} {'CPU s':>6}  phase (CPU: this process, all threads)")
-    for s, dt, label in sorted(EVENTS):
+    for s, dt, label, cpu in sorted(EVENTS):
         if label != "w.wait_loaded" or dt >= 0.01:  # the engine looks often, without waiting
-            cpu = min(((abs(t - s), c) for (t, n), c in CPU.items() if n == label),
-                      default=(0.0, float("nan")))[1]
             print(f"{s:7.2f} {dt:8.2f} {cpu:6.2f}  {label}")
     print(overlap(EVENTS))
     return 0
