@@ -6,11 +6,19 @@ Standard library only: the plugin imports this at pytest start-up.
 from __future__ import annotations
 
 import argparse
+import os
 
 #: Seconds one call of user code may take before it is ended as an adapter error.
 DEFAULT_TIMEOUT = 120.0
 #: Seconds a run may spend shrinking its failing batches (each try is one more check).
 DEFAULT_SHRINK_BUDGET = 5.0
+
+
+def target_paths() -> tuple[str, ...]:
+    """Where a ``module:attr`` target is looked up unless the caller says otherwise (first on
+    its worker's ``sys.path``): the current directory, as ``python -m`` and uvicorn do.  The
+    command's early worker is taken over only when its paths are these (see ``front.entry``)."""
+    return (os.getcwd(),)
 
 
 def _integer(text: str, what: str) -> int:

@@ -14,11 +14,10 @@ pays its import once:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from tyingspec._src.core.cases import Case
-from tyingspec._src.core.options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT
+from tyingspec._src.core.options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT, target_paths
 from tyingspec._src.engine.observe import PrecisionChoice
 from tyingspec._src.front.check import CheckReport, check_target
 
@@ -56,7 +55,7 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
 
     return check_target(target, kind, seed, chosen, precision=precision,
                         shrink_budget=shrink_budget, timeout=timeout,
-                        paths=tuple(paths) if paths is not None else (os.getcwd(),),
+                        paths=tuple(paths) if paths is not None else target_paths(),
                         warm=WARM)
 
 

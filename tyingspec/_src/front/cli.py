@@ -20,6 +20,7 @@ from tyingspec._src.core.options import (
     seed,
     shape,
     shrink_budget,
+    target_paths,
 )
 from tyingspec._src.kinds.table import KIND_NAMES
 
@@ -291,7 +292,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # directory, in the worker process that imports it (tyingspec's own imports never are).
     report = check_target(args.target, args.kind, args.seed, cases, precision=args.precision,
                           shrink_budget=args.shrink_budget, timeout=args.timeout,
-                          paths=(os.getcwd(),),
+                          paths=target_paths(),
                           on_result=lambda r: print("\n".join(render_case(
                               r, structural=r is report_first(r))), flush=True))
     if report.notes:  # what the target itself decided (a torch model's shape)

@@ -95,11 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     early = early_target(args) if "numpy" not in sys.modules else None
     if early is not None:
+        from tyingspec._src.core.options import target_paths
         from tyingspec._src.engine.isolation import launch_early
 
         spec, kind, timeout = early
-        # the paths and timeout ``front.cli`` gives check_target
-        launch_early(spec, kind, (os.getcwd(),), timeout)
+        launch_early(spec, kind, target_paths(), timeout)  # what front.cli will load
         try:
             os.nice(NICE)
         except (AttributeError, OSError):  # no nice here: the check runs as it did
