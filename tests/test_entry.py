@@ -96,15 +96,30 @@ def test_the_early_guess_declines_what_it_is_unsure_of(argv: list[str]) -> None:
     assert early_target(argv) is None
 
 
-PROBE = '''
+PROBE = """
 import os
 from tyingspec._src.kinds.probe.builtins import REGISTRY
 
-with open({imports!r}, "a") as fh:  # one line per worker that imported this module
-    fh.write(f"{{os.getpid()}}\\n")
+with open({imports!r}, "a") as fh:  # a line per worker that imported this module: pid, nice
+    fh.write(f"{{os.getpid()}} {{os.nice(0)}}\\n")
 
 ok = REGISTRY["tied"].model
-'''
+"""
+
+#: The command as the console script runs it, in a fresh interpreter (argv after ``-c``).
+COMMAND = """
+    import sys
+    from tyingspec._src.front.entry import main
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _probe(tmp_path: Path) -> Path:
+    """``early_probe:ok`` (a correct model adapter) in ``tmp_path``; returns the file where each
+    worker that imports it writes its pid and niceness."""
+    imports = tmp_path / "imports.txt"
+    (tmp_path / "early_probe.py").write_text(PROBE.format(imports=str(imports)))
+    return imports
 
 
 def _left_behind(mark: str) -> list[int]:
@@ -129,18 +144,13 @@ def test_the_command_gives_the_same_verdict_whatever_its_early_guess(
         tmp_path: Path, extra: list[str]) -> None:
     # "--time" is argparse's abbreviation of --timeout, which the guess does not read: its
     # early worker is ended and the check starts one of its own
-    imports = tmp_path / "imports.txt"
-    (tmp_path / "early_probe.py").write_text(PROBE.format(imports=str(imports)))
+    imports = _probe(tmp_path)
     mark = f"TYINGSPEC_TEST_{os.getpid()}_{len(extra)}"
-    run = _fresh("""
-        import sys
-        from tyingspec._src.front.entry import main
-        sys.exit(main(sys.argv[1:]))
-    """, {mark: "1"}, cwd=tmp_path, argv=["check", "early_probe:ok", "--case", "absent-tokens",
-                                          *extra])
+    run = _fresh(COMMAND, {mark: "1"}, cwd=tmp_path,
+                 argv=["check", "early_probe:ok", "--case", "absent-tokens", *extra])
     assert run.returncode == 0, run.stdout + run.stderr
     assert "verdict: correct" in run.stdout
-    assert 1 <= len(imports.read_text().split()) <= 2
+    assert 1 <= len(imports.read_text().splitlines()) <= 2
     assert _left_behind(mark) == []
 
 
@@ -149,8 +159,7 @@ def test_a_launch_for_the_same_target_takes_the_early_worker_over_and_any_other_
     from tyingspec import Case, build
     from tyingspec._src.engine import isolation
 
-    imports = tmp_path / "imports.txt"
-    (tmp_path / "early_probe.py").write_text(PROBE.format(imports=str(imports)))
+    _probe(tmp_path)
     paths = (str(tmp_path),)
     isolation.launch_early("early_probe:ok", "model", paths, 30.0)
     (early, _), = isolation._EARLY.values()
@@ -177,34 +186,18 @@ def test_a_launch_for_the_same_target_takes_the_early_worker_over_and_any_other_
 
 
 def test_a_usage_error_after_an_early_start_leaves_no_worker_behind(tmp_path: Path) -> None:
-    imports = tmp_path / "imports.txt"
-    (tmp_path / "early_probe.py").write_text(PROBE.format(imports=str(imports)))
+    _probe(tmp_path)
     mark = f"TYINGSPEC_TEST_{os.getpid()}_usage"
-    run = _fresh("""
-        import sys
-        from tyingspec._src.front.entry import main
-        sys.exit(main(sys.argv[1:]))
-    """, {mark: "1"}, cwd=tmp_path, argv=["check", "early_probe:ok", "--case", "no-such-case"])
+    run = _fresh(COMMAND, {mark: "1"}, cwd=tmp_path,
+                 argv=["check", "early_probe:ok", "--case", "no-such-case"])
     assert run.returncode == 2
     assert "no case 'no-such-case'" in run.stderr
     assert _left_behind(mark) == []
 
 
-NICE_PROBE = """
-import os
-from tyingspec._src.kinds.probe.builtins import REGISTRY
-
-with open({where!r}, "w") as fh:  # the worker's niceness, as it imports this module
-    fh.write(str(os.nice(0)))
-
-ok = REGISTRY["tied"].model
-"""
-
-
 def test_the_command_gives_way_to_its_worker_which_keeps_the_users_priority(
         tmp_path: Path) -> None:
-    where = tmp_path / "worker_nice.txt"
-    (tmp_path / "nice_probe.py").write_text(NICE_PROBE.format(where=str(where)))
+    imports = _probe(tmp_path)
     run = _fresh("""
         import os, sys
         from tyingspec._src.front.entry import NICE, main
@@ -212,9 +205,10 @@ def test_the_command_gives_way_to_its_worker_which_keeps_the_users_priority(
         code = main(sys.argv[1:])
         print("nice", before, os.nice(0), NICE)
         sys.exit(code)
-    """, cwd=tmp_path, argv=["check", "nice_probe:ok", "--case", "absent-tokens"])
+    """, cwd=tmp_path, argv=["check", "early_probe:ok", "--case", "absent-tokens"])
     assert run.returncode == 0, run.stdout + run.stderr
     before, after, step = (int(x) for x in run.stdout.split("nice ")[-1].split())
     assert step > 0
     assert after == min(before + step, 19)  # the command's own process, lowered
-    assert int(where.read_text()) == before  # the worker, started first, as the user had it
+    workers = [line.split() for line in imports.read_text().splitlines()]
+    assert [int(nice) for _, nice in workers] == [before]  # the worker, started first, as it was
