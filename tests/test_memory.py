@@ -251,8 +251,14 @@ def test_a_large_E_is_drawn_in_blocks_the_same_on_any_number_of_cores(
         assert again.E.dtype == build(case).E.dtype
         np.testing.assert_array_equal(np.asarray(again.E, np.float64), E)
     assert build(case).E.dtype.name == dtype
-    # N(0, 1) * e_scale: 2100 draws put the sample's mean and spread well inside these
+    # the spread of N(0, 1) * e_scale: 2100 draws put the sample's mean and spread well inside
+    # these; uniform, so every entry within sqrt(3) * e_scale and the quartiles near +-half of
+    # it (a normal draw's are at +-0.67 * 0.5 = +-0.34, not +-0.43: this would fail)
     assert abs(E.mean()) < 0.05 and abs(E.std() - 0.5) < 0.05
+    edge = np.sqrt(3) * 0.5
+    assert np.abs(E).max() <= edge * (1 + 1e-2)  # bfloat16 rounds to 8 bits
+    np.testing.assert_allclose(np.quantile(E, [0.25, 0.75]), [-edge / 2, edge / 2],
+                               rtol=0, atol=0.05)
     # every block is its own stream: no two blocks repeat each other's values
     rows = 64 // 7
     assert not np.allclose(E[:rows], E[rows:2 * rows], rtol=0, atol=1e-3)

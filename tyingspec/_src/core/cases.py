@@ -7,6 +7,7 @@ replays exactly.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -56,7 +57,9 @@ class Case:
     tokens: tuple[int, ...] | None = None  # explicit batch (a replayed, shrunk one)
     targets: tuple[int, ...] | None = None
     multiplicity: int | None = None  # for "multiplicity": copies of each repeated token
-    e_scale: float = 1.0  # E is drawn as N(0, 1) * e_scale; 0 makes every path vanish (vacuous)
+    # E is drawn as N(0, 1) * e_scale (from DRAW_SPLIT_ABOVE entries up, uniform with that
+    # spread); 0 makes every path vanish (vacuous)
+    e_scale: float = 1.0
     # False for a target that brings its own model (torch): only the tokens and targets are
     # the case's; the probe model's res, s_in, bias and E do not apply
     probe: bool = True
@@ -145,11 +148,12 @@ def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
 
 
 #: An E of at least this many entries is drawn in blocks of rows, each from its own child of
-#: the case's generator (``Generator.spawn``), on every core (``core.threads.on_cores``):
-#: numpy's normal draw runs without the GIL, and at GPT-2 size one thread takes 0.33 s, a large
-#: part of a warm case.  The blocks are fixed by the shape alone (:data:`DRAW_BLOCK` entries),
-#: so the values do not depend on the machine; below this size E is drawn as it always was, so
-#: every small case replays the batch its seed printed before.
+#: the case's generator (``Generator.spawn``), on every core (``core.threads.on_cores``), and
+#: uniform, not normal, with the same spread (see :func:`_drawn_in_blocks`).  numpy's draws run
+#: without the GIL, and at GPT-2 size a normal one on one thread took 0.33-0.40 s, a large part
+#: of a warm case.  The blocks are fixed by the shape alone (:data:`DRAW_BLOCK` entries), so the
+#: values do not depend on the machine; below this size E is drawn as it always was, so every
+#: small case replays the batch its seed printed before.
 DRAW_SPLIT_ABOVE = 1 << 22
 #: Entries per block of :func:`_drawn_in_blocks` (16 MB in float32): few enough blocks that
 #: spawning costs nothing, enough that two cores share them evenly.
@@ -158,24 +162,27 @@ DRAW_BLOCK = 1 << 22
 
 def _drawn_in_blocks(rng: np.random.Generator, shape: tuple[int, int], dt: np.dtype[Any],
                      scale: float) -> Array:
-    """``N(0, 1) * scale`` of ``shape`` in ``dt``, block by block (see ``DRAW_SPLIT_ABOVE``).
-    A dtype without a draw of its own (bfloat16, float16) is drawn in float32 a block at a
-    time and cast: never a float64 [V, d] beside it (4.2 GB at Llama-3's head)."""
+    """``U(-sqrt(3), sqrt(3)) * scale`` of ``shape`` in ``dt``, block by block (see
+    ``DRAW_SPLIT_ABOVE``): the spread of ``N(0, 1) * scale``, which is all a check asks of E
+    (every logit and gradient entry is a sum over d or N products of it, whatever their law),
+    at a fifth of the cost: a uniform float32 draw took 0.09 s at GPT-2 size on one thread, a
+    normal one 0.40 s (the 2-core Xeon VM of 2026-12-04).  A dtype without a draw of its own
+    (bfloat16, float16) is drawn in float32 a block at a time and cast: never a float64
+    [V, d] beside it (4.2 GB at Llama-3's head)."""
     V, d = shape
     rows = max(1, DRAW_BLOCK // max(d, 1))
     blocks = [slice(s, min(s + rows, V)) for s in range(0, V, rows)]
     out = memory.empty(shape, dt)
     own = dt if dt in (np.float32, np.float64) else np.dtype(np.float32)
+    half, width = own.type(0.5), own.type(2 * math.sqrt(3) * scale)
 
     def fill(child: np.random.Generator, b: slice) -> None:
-        if own == dt:
-            block = out[b]
-            child.standard_normal(dtype=own, out=block)
-            block *= own.type(scale)
-        else:
-            drawn = child.standard_normal((b.stop - b.start, d), dtype=own)
-            drawn *= own.type(scale)
-            out[b] = drawn.astype(dt)
+        block = out[b] if own == dt else np.empty((b.stop - b.start, d), dtype=own)
+        child.random(dtype=own, out=block)  # [0, 1)
+        block -= half  # exact: a float of [0, 1) minus one half
+        block *= width
+        if own != dt:
+            out[b] = block.astype(dt)
 
     on_cores(lambda piece: fill(*piece), list(zip(rng.spawn(len(blocks)), blocks)))
     return out
