@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -126,8 +127,8 @@ def floor_parts(batch: Batch) -> dict[str, Callable[[], object]]:
     - (2) the check's second call: ``tied_f32`` at E after the check's SGD step, on the first
       ``SECOND_CALL_POSITIONS`` positions (what catches a tie that is a copy; its O(V*d) work,
       converting E and scoring every row, is the implementation's own);
-    - (D) drawing the batch (``tyingspec.build``: V*d normals for E), which (F) includes and
-      the in-process (a) does not;
+    - (D) drawing the batch (``tyingspec.build``: V*d uniform draws for E at this size), which
+      (F) includes and the in-process (a) does not;
     - (R1) the products of (R) on one core (OpenBLAS on one thread): what the core that the
       worker's import leaves free can do of them (see :func:`print_floor`)."""
     import numpy as np
@@ -185,6 +186,20 @@ def children_cpu() -> float:
     theirs in turn: a check's worker is reaped by the check, so it counts in the check's."""
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     return used.ru_utime + used.ru_stime
+
+
+def live_children_cpu() -> float:
+    """CPU seconds (user + system) of this process's children still running, read from
+    ``/proc`` (Linux): a warm check's worker, which no ``getrusage`` counts until it is reaped."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def with_cpu(run: Callable[[], float], cpu: Callable[[], float], into: list[float]

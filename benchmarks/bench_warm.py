@@ -19,11 +19,19 @@ round's own W/a (the machine's drift between rounds cancels in it), and
 beside them, interleaved in the same rounds, the parts of a warm case no check can skip
 (``bench_check.floor_parts``: the reference's two products, the second call, drawing the
 batch) with their sum as a multiple of (a).
+
+Last, the CPU seconds (user + system, every thread) of (a), of each floor part (this process)
+and of W (this process and the worker, read from ``/proc``), and what they allow on the
+machine's cores however the work is ordered: the least W / (a) that W's own CPU seconds
+permit, and the CPU floor, the least W / (a) of a warm case that did nothing but the floor's
+parts (the call, the reference's two products, the second call, the batch), packed onto every
+core with no gap.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -39,14 +47,38 @@ from benchmarks.bench_check import (  # noqa: E402
     absent_tokens_batch,
     floor_parts,
     forward_backward,
+    live_children_cpu,
     paired,
     print_floor,
     spread,
 )
 from tyingspec import check, standard_cases  # noqa: E402
+from tyingspec._src.core import threads  # noqa: E402
 from tyingspec._src.core.cases import at_shape  # noqa: E402
 
 TARGET = "benchmarks.torch_probe:tied_f32"
+
+
+def own_cpu() -> float:
+    """CPU seconds (user + system) of this process, every thread."""
+    t = os.times()
+    return t.user + t.system
+
+
+def print_cpu(fa: list[float], cpu: dict[str, list[float]]) -> None:
+    """What the CPU seconds of each round allow on this machine's cores: a case takes at least
+    its CPU seconds over the cores, and a case made of the floor's parts alone at least theirs
+    (the worker's call costs what (a) costs in process: the same code on the same batch)."""
+    cores = threads.cores()  # what the check spreads its own passes over, as torch does
+    print(f"CPU seconds, user + system: (a) {spread(cpu['a'])}")
+    print(f"                            (W) {spread(cpu['W'])}  (this process and the worker)")
+    for k in ("R", "2", "D"):
+        print(f"                            ({k}) {spread(cpu[k])}")
+    print(paired(f"the least (W) / (a) that W's CPU seconds allow on {cores} cores, round by "
+                 "round", [w / cores / a for w, a in zip(cpu["W"], fa)]))
+    floor = [sum(cpu[k][i] for k in ("a", "R", "2", "D")) for i in range(len(fa))]
+    print(paired(f"the CPU floor, (a) + (R) + (2) + (D) in CPU seconds over {cores} cores, over "
+                 "(a), round by round", [f / cores / a for f, a in zip(floor, fa)]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,18 +107,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     fa: list[float] = []
     warm: list[float] = []
+    cpu: dict[str, list[float]] = {k: [] for k in ("a", "W", *parts)}
+
+    def both() -> float:
+        return own_cpu() + live_children_cpu()
+
     for _ in range(a.repeats):
-        t0 = time.perf_counter()
+        c0, t0 = own_cpu(), time.perf_counter()
         fb()
         fa.append(time.perf_counter() - t0)
+        cpu["a"].append(own_cpu() - c0)
         for k, f in parts.items():
-            t0 = time.perf_counter()
+            c0, t0 = own_cpu(), time.perf_counter()
             f()
             part[k].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+            cpu[k].append(own_cpu() - c0)
+        c0, t0 = both(), time.perf_counter()
         report = check(TARGET, "model", precision="float32", cases=[case], shrink_budget=0,
                        paths=[str(REPO)])
         warm.append(time.perf_counter() - t0)
+        cpu["W"].append(both() - c0)
         assert report.ok, report.diagnosis
     print(f"== warm runs: V={a.V} d={a.d} N={a.N}, float32, {a.repeats} interleaved rounds")
     print(f"(a) one forward+backward of tied_f32, in process\n    {spread(fa)}")
@@ -100,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     floor = ma + sum(statistics.median(part[k]) for k in ("R", "2", "D"))
     print(f"floor of a warm case, (a) + (R) + (2) + (D) = {floor:.2f} s ({floor / ma:.2f}x); "
           f"(W) is {statistics.median(warm) / floor:.2f}x that floor")
+    print_cpu(fa, cpu)
     return 0
 
 

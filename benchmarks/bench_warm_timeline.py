@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 
 import tyingspec._src.engine.isolation as iso  # noqa: E402
 import tyingspec._src.engine.observe as ob  # noqa: E402
-from benchmarks.bench_check import spread  # noqa: E402
+from benchmarks.bench_check import live_children_cpu, spread  # noqa: E402
 from benchmarks.bench_check_timeline import wrapped  # noqa: E402
 from tyingspec import check, standard_cases  # noqa: E402
 from tyingspec._src.core.cases import at_shape  # noqa: E402
@@ -46,19 +46,6 @@ EVENTS: list[Event] = []
 
 def _timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped(label, f, lambda s, dt, name: EVENTS.append((name, s, s + dt)))
-
-
-def _worker_cpu() -> float:
-    """CPU seconds of this process's children (the worker), read from /proc."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid():
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 def _instrument() -> None:
@@ -110,9 +97,9 @@ def _run(rounds: int, log: Path) -> int:
     for _ in range(rounds):
         EVENTS.clear()
         log.write_text("")
-        c0, w0, t0 = os.times(), _worker_cpu(), time.perf_counter()
+        c0, w0, t0 = os.times(), live_children_cpu(), time.perf_counter()
         ok = run()
-        t1, c1, w1 = time.perf_counter(), os.times(), _worker_cpu()
+        t1, c1, w1 = time.perf_counter(), os.times(), live_children_cpu()
         if not ok:
             print("a warm case was not correct")
             return 1
