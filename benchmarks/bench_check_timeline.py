@@ -44,20 +44,12 @@ from tyingspec._src.front.entry import load_numpy  # noqa: E402
 
 load_numpy()  # as the console script does, before anything loads numpy (see front.entry)
 
-import resource  # noqa: E402
-
 import tyingspec._src.engine.isolation as iso  # noqa: E402
 import tyingspec._src.engine.observe as ob  # noqa: E402
 from tyingspec._src.front import cli  # noqa: E402
 
 #: (start, seconds, name, CPU seconds of this process in it; NaN for an instant)
 EVENTS: list[tuple[float, float, str, float]] = []
-
-
-def cpu_now() -> float:
-    """This process's CPU seconds so far, user + system, all its threads (BLAS's included)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 Record = Callable[[float, float, str], None]  # (started, seconds, label)
@@ -78,11 +70,11 @@ def timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
     """``f``, each call of it in ``EVENTS`` with its start, its seconds and the CPU seconds
     this process spent in it, both clocks read at the same two moments."""
     def run(*a: Any, **k: Any) -> Any:
-        c, s = cpu_now(), time.perf_counter()
+        c, s = time.process_time(), time.perf_counter()
         try:
             return f(*a, **k)
         finally:
-            EVENTS.append((s - T0, time.perf_counter() - s, label, cpu_now() - c))
+            EVENTS.append((s - T0, time.perf_counter() - s, label, time.process_time() - c))
     return run
 
 

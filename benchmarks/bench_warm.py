@@ -32,7 +32,6 @@ core with no gap, the products counted at the less of what they cost on every co
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -58,12 +57,6 @@ from tyingspec._src.core import threads  # noqa: E402
 from tyingspec._src.core.cases import at_shape  # noqa: E402
 
 TARGET = "benchmarks.torch_probe:tied_f32"
-
-
-def own_cpu() -> float:
-    """CPU seconds (user + system) of this process, every thread."""
-    t = os.times()
-    return t.user + t.system
 
 
 def print_cpu(fa: list[float], cpu: dict[str, list[float]]) -> None:
@@ -118,18 +111,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu: dict[str, list[float]] = {k: [] for k in ("a", "W", *parts)}
 
     def both() -> float:
-        return own_cpu() + live_children_cpu()
+        return time.process_time() + live_children_cpu()
 
     for _ in range(a.repeats):
-        c0, t0 = own_cpu(), time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fb()
         fa.append(time.perf_counter() - t0)
-        cpu["a"].append(own_cpu() - c0)
+        cpu["a"].append(time.process_time() - c0)
         for k, f in parts.items():
-            c0, t0 = own_cpu(), time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             f()
             part[k].append(time.perf_counter() - t0)
-            cpu[k].append(own_cpu() - c0)
+            cpu[k].append(time.process_time() - c0)
         c0, t0 = both(), time.perf_counter()
         report = check(TARGET, "model", precision="float32", cases=[case], shrink_budget=0,
                        paths=[str(REPO)])
