@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
+import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -255,6 +259,138 @@ def test_an_error_between_the_calls_leaves_the_worker_for_the_next_case(
         assert proc is not None and proc.is_alive() and target.worker._running is None
         assert ob.observe(target, case).status == "correct"
         assert target.worker._proc is proc  # the same worker: no call was left out
+    finally:
+        target.close()
+
+
+# ---- the command's order: the second call sent before the first is judged ----------------
+# The command gives way to its worker (front.entry.NICE), so its worker outranks it, and the
+# engine sends the second call before judging the first.  A thread 5 below this one stands in
+# for that process here: Linux gives each thread its own niceness, so a worker started before
+# the thread outranks it.
+
+T = TypeVar("T")
+linux_threads = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                   reason="a thread's own niceness is Linux's")
+
+
+def _given_way(fn: Callable[[], T]) -> T:
+    """``fn()`` run in a fresh thread whose scheduling priority is 5 below this one's."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            me = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + 5)
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001  (raised again in the caller)
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out["value"]  # type: ignore[return-value]
+
+
+def _recording(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Every call sent to a worker (with its positions) and every judgement, in order."""
+    import tyingspec._src.engine.isolation as iso
+    import tyingspec._src.engine.observe as ob
+
+    events: list[tuple[str, int]] = []
+    send, judge = iso.Worker.submit, ob.judge
+
+    def sent(self: iso.Worker, inputs: dict[str, object]) -> None:
+        events.append(("send", len(np.asarray(inputs["tokens"]).reshape(-1))))
+        send(self, inputs)
+
+    def judged(*args: object, **kwargs: object) -> object:
+        events.append(("judge", 0))
+        return judge(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(iso.Worker, "submit", sent)
+    monkeypatch.setattr(ob, "judge", judged)
+    return events
+
+
+@linux_threads
+@pytest.mark.parametrize("spec,kind,label", [
+    (f"{_MUTANTS}:_copy_tie", "model", "tie_is_a_copy"),
+    (f"{_MUTANTS}:_stale_kernel", "kernel", "gradient_not_zeroed"),
+    (f"{_MUTANTS}:_bincount", "kernel", "correct"),
+    (f"{_MUTANTS}:_f32_model", "model", "correct"),
+])
+def test_a_worker_that_outranks_the_engine_runs_the_second_call_while_the_first_is_judged(
+        monkeypatch: pytest.MonkeyPatch, spec: str, kind: str, label: str) -> None:
+    import tyingspec._src.engine.observe as ob
+
+    events = _recording(monkeypatch)
+    target = ob.load(spec, kind)
+    assert target.worker is not None and not target.worker.outranks()
+    case = standard_cases(0)[0]
+    try:
+        obs = _given_way(lambda: (target.worker.outranks(), ob.observe(target, case)))
+    finally:
+        target.close()
+    outranks, seen = obs
+    assert outranks
+    # the step is taken with the first call's dE, and the call after it is judged as before
+    assert seen.label == label
+    # a model's second call is on the batch's first positions after the step, a kernel's a repeat
+    second = min(ob.SECOND_CALL_POSITIONS, case.N) if kind == "model" else case.N
+    assert events == [("send", case.N), ("send", second), ("judge", 0), ("judge", 0)]
+
+
+@linux_threads
+def test_a_first_call_found_wrong_drops_the_answer_sent_ahead_and_ends_sending_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tyingspec._src.engine.observe as ob
+
+    events = _recording(monkeypatch)
+    target = ob.load(f"{_MUTANTS}:_output_from_x", "model")
+    assert target.worker is not None
+    cases = standard_cases(0)[:2]
+    try:
+        proc = target.worker._proc
+
+        def both() -> list[ob.Observation]:
+            return [ob.observe(target, c) for c in cases]
+
+        seen = _given_way(both)
+        assert target.worker._running is None and target.worker._proc is proc
+    finally:
+        target.close()
+    assert [(o.stage, o.label) for o in seen] == [(ob.FIRST_CALL, "output_path_wrong")] * 2
+    # the first case: both calls sent, the first judged, the second's answer read and dropped;
+    # from then on the target is known to be wrong somewhere, and no call is sent ahead
+    first, then = cases
+    assert events == [("send", first.N), ("send", min(ob.SECOND_CALL_POSITIONS, first.N)),
+                      ("judge", 0), ("send", then.N), ("judge", 0)]
+
+
+@linux_threads
+def test_an_error_judging_the_first_call_leaves_the_worker_with_no_call_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tyingspec._src.engine.observe as ob
+
+    target = ob.load(f"{_MUTANTS}:_f32_model", "model", "float32")
+    assert target.worker is not None
+    case = replace(standard_cases(0)[0], dtype="float32")
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("a judge that fails")
+
+    try:
+        proc = target.worker._proc
+        with monkeypatch.context() as m:
+            m.setattr(ob, "judge", broken)
+            with pytest.raises(RuntimeError, match="a judge that fails"):
+                _given_way(lambda: ob.observe(target, case))
+        assert target.worker._running is None and target.worker._proc is proc
+        assert _given_way(lambda: ob.observe(target, case)).status == "correct"
+        assert target.worker._proc is proc  # the same worker: the call in flight was read
     finally:
         target.close()
 

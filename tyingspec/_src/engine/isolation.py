@@ -1155,6 +1155,18 @@ class Worker:
             _release([b for b in self._pool if b.name in names], unlink=True)
             self._pool = [b for b in self._pool if b.name not in names]
 
+    def outranks(self) -> bool:
+        """Whether the worker runs at a higher scheduling priority than this thread (the
+        command gives way to its worker: ``front.entry.NICE``).  Then what this process does
+        while the worker runs a call takes only what the call leaves of the cores."""
+        proc = self._proc
+        if proc is None or not proc.is_alive():
+            return False
+        try:
+            return os.getpriority(os.PRIO_PROCESS, proc.pid) < os.getpriority(os.PRIO_PROCESS, 0)
+        except (AttributeError, OSError):  # no priorities here, or the worker just exited
+            return False
+
     def invoke(self, inputs: Mapping[str, Any]) -> Any:
         """One call of the target on ``inputs`` in the worker; restarts a dead worker first."""
         self.submit(inputs)

@@ -20,7 +20,10 @@ One observation:
    first ``SECOND_CALL_POSITIONS`` positions), a kernel on the same inputs.  A tie that is a
    copy, or a gradient buffer never zeroed, is right on the first call and wrong from the
    second on, and is named as such (``tie_is_a_copy``, ``gradient_not_zeroed``).  A first
-   call found wrong ends the observation: no second call is made.
+   call found wrong ends the observation: no second call is judged.  Where the worker
+   outranks this process (the command's, which gives way to it), the second call is sent
+   before step 5 and runs while this process judges the first; elsewhere it is made after
+   step 5, and only for a first call found right (see :func:`observe`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class Target:
     worker: Worker | None = None  # a module:attr target runs in its own process
     # first calls whose batch (and reference) were built while the worker loaded, by case
     _prepared: dict[Case, _Prepared] = field(default_factory=dict, compare=False, repr=False)
+    # cases whose first call was found wrong: from the first, no second call is sent ahead
+    _wrong_first: list[Case] = field(default_factory=list, compare=False, repr=False)
 
     def close(self) -> None:
         """Stop the target's worker process, if it has one."""
@@ -201,12 +206,15 @@ def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
 
 
 def _invoke(target: Target, inputs: dict[str, Any]) -> Returned:
-    if target.table.takes_precision:
-        inputs = inputs | {"precision": target.precision}
     if target.worker is not None:
-        returned: Returned = target.worker.invoke(inputs)
+        returned: Returned = target.worker.invoke(_given(target, inputs))
         return returned
-    return target.table.invoke(target.spec, target.fn, inputs)
+    return target.table.invoke(target.spec, target.fn, _given(target, inputs))
+
+
+def _given(target: Target, inputs: dict[str, Any]) -> dict[str, Any]:
+    """What the adapter is handed: the kind's inputs, and the precision if it takes one."""
+    return inputs | {"precision": target.precision} if target.table.takes_precision else inputs
 
 
 def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
@@ -215,19 +223,6 @@ def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
     ``precision`` (float64 arithmetic, or float32 at large shapes judged at float32 or below;
     see ``core.cases.working_dtype``)."""
     return target.table.reference(batch, target.table.inputs(batch) | overrides, precision, None)
-
-
-def _called(target: Target, batch: Batch, inputs: dict[str, Any] | None = None,
-            paths: Paths | None = None) -> tuple[dict[str, Any], Returned, Paths, Precision]:
-    """One call and its reference on the same inputs, built once (a kernel's are a whole
-    forward pass of the probe model); ``paths``: the reference, already built at the declared
-    precision."""
-    if inputs is None:
-        inputs = target.table.inputs(batch)
-    returned = _invoke(target, inputs)
-    precision = precision_for(target, returned)
-    returned, paths = _judged(target, batch, inputs, precision, returned, paths)
-    return inputs, returned, paths, precision
 
 
 def _judged(target: Target, batch: Batch, inputs: dict[str, Any], precision: Precision,
@@ -472,16 +467,28 @@ def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
 def first_call(target: Target, case: Case, **overrides: Any) -> Observation:
     """Steps 1-5 of the module docstring: one call, judged; ``overrides`` replace inputs of
     the call (a torch property asks for its own checks only)."""
+    return _first_judged(target, *_first_made(target, case, **overrides))
+
+
+def _first_made(target: Target, case: Case, **overrides: Any
+                ) -> tuple[Case, Batch, dict[str, Any], Returned, Paths | None]:
+    """Steps 1-2: the first call made (on what was prepared for it while the worker loaded,
+    if anything), with its reference if that was prepared too."""
     prepared = None if overrides else target._prepared.pop(case, None)
     if prepared is None:
         case, batch = batch_for(target, case)
         inputs = target.table.inputs(batch) | overrides
         batch = _released(target, batch, inputs)
-        inputs, returned, paths, precision = _called(target, batch, inputs)
-    else:
-        case, batch = prepared.case, prepared.batch
-        inputs, returned, paths, precision = _called(target, batch, prepared.inputs,
-                                                     prepared.paths)
+        return case, batch, inputs, _invoke(target, inputs), None
+    return (prepared.case, prepared.batch, prepared.inputs,
+            _invoke(target, prepared.inputs), prepared.paths)
+
+
+def _first_judged(target: Target, case: Case, batch: Batch, inputs: dict[str, Any],
+                  returned: Returned, paths: Paths | None) -> Observation:
+    """Steps 3-5: the first call's reference (unless prepared) and its judgement."""
+    precision = precision_for(target, returned)
+    returned, paths = _judged(target, batch, inputs, precision, returned, paths)
     return Observation(case, batch, returned, paths, precision,
                        judge(returned, paths, precision), inputs=inputs)
 
@@ -555,31 +562,99 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
     """Observe ``target`` on ``case``: the first call and the kind's second call (after one SGD
     step, or a repeat); returns the observation that decides the verdict (the second call's
     when it reveals a bug the first did not).  ``overrides`` replace inputs of the call."""
-    # The second call is made after the first is judged, not beside its judgement: on two
-    # cores the two shared them at a loss (a warm case at GPT-2 size took 4.62 s and 5.24 s
-    # with the second call sent before the judgement, 4.47 s and 5.18 s after it; medians of
-    # two runs of benchmarks/bench_warm_overlap.py at e56a8ae), and a first call found wrong
-    # needs none.
+    if step and not overrides and not target._wrong_first and target.worker is not None \
+            and target.table.complete is None and target.worker.outranks():
+        return _observe_ahead(target, case)
+    # Otherwise the second call is made after the first is judged, not beside its judgement:
+    # where the two share the cores as equals they do so at a loss (a warm case at GPT-2 size
+    # in the Python API, 10 interleaved rounds on the 2-core VM of docs/speed.md: +0.17 s,
+    # 1 of 10 faster, with the second call sent first), and a first call found wrong needs
+    # none.
     first = _remember(target, first_call(target, case, **overrides))
-    if not step or first.diagnosis.wrong or target.table.second_call == "none":
+    if first.diagnosis.wrong:
+        target._wrong_first.append(first.case)
+    if not step or first.diagnosis.wrong:
         return first
-    lr = 0.0
-    batch = first.batch
-    if target.table.second_call == "sgd_step":
-        moved = sgd_step(first.batch, first.returned.dE)
-        if moved is None:
-            return first
-        stepped, lr = moved
-        keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
-        batch = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
-    inputs = first.inputs
-    if batch is first.batch:  # a repeat: the same inputs, and their reference if it still fits
-        returned = _invoke(target, inputs)
-        precision = precision_for(target, returned)
-        returned, paths = _judged(target, batch, inputs, precision, returned,
-                                  first.paths if precision == first.precision else None)
-    else:
-        inputs, returned, paths, precision = _called(target, batch)
+    after = _after_first(target, first.batch, first.returned)
+    if after is None:
+        return first
+    batch, lr = after
+    inputs = first.inputs if batch is first.batch else target.table.inputs(batch)
+    return _second_judged(target, first, batch, lr, inputs, _invoke(target, inputs))
+
+
+def _observe_ahead(target: Target, case: Case) -> Observation:
+    """:func:`observe` with the second call sent before the first is judged, for a worker that
+    outranks this process (the command's, see ``front.entry.NICE``): the worker runs the
+    second call while this process judges the first, in what the call leaves of the cores
+    (the cold command at GPT-2 size on the 2-core VM of docs/speed.md, 8 and 9 interleaved
+    pairs: median -0.11 s and -0.18 s, 7 of 8 and 7 of 9 faster).  The step is taken with
+    the dE the first call returned, as it would be after the judgement; a first call found
+    wrong has its second call's answer read and dropped, unjudged, as if never made.
+
+    That dropped call is work for nothing, and a wrong target's check is mostly wrong first
+    calls (each case, each shrinking step): so once one first call of a target is found
+    wrong, its later ones are judged before their second call, as elsewhere (the whole check
+    of a torch implementation with its output path halved, at GPT-2 size, took 22.3 s
+    before this order and 26.9 s with it on every call, 2 interleaved rounds each)."""
+    worker = target.worker
+    assert worker is not None
+    case, batch, inputs, returned, paths = _first_made(target, case)
+    after = _after_first(target, batch, returned)
+    if after is not None:
+        later = inputs if after[0] is batch else target.table.inputs(after[0])
+        worker.submit(_given(target, later))
+    try:
+        first = _remember(target, _first_judged(target, case, batch, inputs, returned, paths))
+    except BaseException:
+        if after is not None:
+            _drop_answer(worker)
+        raise
+    if after is None:
+        return first
+    if first.diagnosis.wrong:
+        target._wrong_first.append(first.case)
+        _drop_answer(worker)
+        return first
+    return _second_judged(target, first, after[0], after[1], later, worker.collect())
+
+
+def _drop_answer(worker: Worker) -> None:
+    """Read and drop the answer to a call sent ahead whose observation ended without it: the
+    worker is ready for the next call as if that one had never been sent."""
+    try:
+        worker.collect()
+    except AdapterError:
+        pass  # judging this call was never asked for; the next call starts a new worker if
+        # this one has died
+
+
+def _after_first(target: Target, batch: Batch, returned: Returned
+                 ) -> tuple[Batch, float] | None:
+    """Step 6's batch and SGD step size, from the first call's batch and what it returned:
+    the same batch for a repeat (step 0), the short batch after one step with the dE it
+    returned; None when the kind makes no second call or the step would not move E (or
+    would move it by no finite amount)."""
+    if target.table.second_call == "none":
+        return None
+    if target.table.second_call == "repeat":
+        return batch, 0.0
+    moved = sgd_step(batch, returned.dE)
+    if moved is None or not np.isfinite(moved[1]):  # a dE that is not finite is wrong anyway
+        return None
+    stepped, lr = moved
+    keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
+    return replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep]), lr
+
+
+def _second_judged(target: Target, first: Observation, batch: Batch, lr: float,
+                   inputs: dict[str, Any], returned: Returned) -> Observation:
+    """Step 6's call judged: a repeat against the first call's reference where it still fits,
+    a call after the step against its own, and what a wrong one means named."""
+    precision = precision_for(target, returned)
+    fits = batch is first.batch and precision == first.precision
+    returned, paths = _judged(target, batch, inputs, precision, returned,
+                              first.paths if fits else None)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
                                            judge(returned, paths, precision), AFTER_STEP,
                                            inputs))
