@@ -274,14 +274,12 @@ linux_threads = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                    reason="a thread's own niceness is Linux's")
 
 
-def _given_way(fn: Callable[[], T]) -> T:
-    """``fn()`` run in a fresh thread whose scheduling priority is 5 below this one's."""
+def _in_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run in a fresh thread (whose niceness it may raise: this one's stays)."""
     out: dict[str, object] = {}
 
     def run() -> None:
         try:
-            me = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + 5)
             out["value"] = fn()
         except BaseException as exc:  # noqa: BLE001  (raised again in the caller)
             out["error"] = exc
@@ -292,6 +290,16 @@ def _given_way(fn: Callable[[], T]) -> T:
     if "error" in out:
         raise out["error"]  # type: ignore[misc]
     return out["value"]  # type: ignore[return-value]
+
+
+def _given_way(fn: Callable[[], T]) -> T:
+    """``fn()`` run in a fresh thread whose scheduling priority is 5 below this one's."""
+    def niced() -> T:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + 5)
+        return fn()
+
+    return _in_thread(niced)
 
 
 def _recording(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
@@ -393,6 +401,54 @@ def test_an_error_judging_the_first_call_leaves_the_worker_with_no_call_in_fligh
         assert target.worker._proc is proc  # the same worker: the call in flight was read
     finally:
         target.close()
+
+
+@linux_threads
+@pytest.mark.parametrize("given_way", [True, False])
+def test_a_worker_that_outranks_the_engine_is_sent_its_first_call_before_the_prepared_reference_is_built(  # noqa: E501
+        monkeypatch: pytest.MonkeyPatch, given_way: bool) -> None:
+    # As the command does: the worker is launched, then this thread gives way to it.
+    import tyingspec._src.engine.isolation as iso
+    import tyingspec._src.engine.observe as ob
+
+    sent = threading.Event()
+    seen: list[bool] = []  # per reference built: was the first call sent while it was built?
+    launch, submit = iso.Worker.launch, iso.Worker.submit
+    table = ob.KINDS["model"]
+    reference = table.reference
+
+    def launched(self: iso.Worker) -> None:
+        launch(self)
+        if given_way:
+            me = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + 5)
+
+    def submitted(self: iso.Worker, inputs: dict[str, object]) -> None:
+        submit(self, inputs)
+        sent.set()
+
+    def built(*args: object) -> object:
+        seen.append(sent.wait(timeout=60.0 if given_way else 0.5))
+        return reference(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(iso.Worker, "launch", launched)
+    monkeypatch.setattr(iso.Worker, "submit", submitted)
+    case = replace(standard_cases(0)[0], dtype="float32")
+
+    def check() -> ob.Observation:
+        target = ob.load(f"{_MUTANTS}:_f32_model", "model", "float32", prepare=[case])
+        try:
+            return ob.observe(target, case, step=False)
+        finally:
+            target.close()
+
+    object.__setattr__(table, "reference", built)  # the kind's table is frozen: it is shared
+    try:
+        obs = _in_thread(check)
+    finally:
+        object.__setattr__(table, "reference", reference)
+    assert obs.status == "correct"
+    assert seen == [given_way]  # built once, and beside the call only where the worker outranks
 
 
 _SHAPE_BUFFER = '''
