@@ -5,7 +5,8 @@
 
 Runs the command ``bench_check`` times as (b), ``tyingspec check benchmarks.torch_probe:tied_f32
 --precision float32 --shape V,d,N --case absent-tokens --shrink-budget 0``, in this process
-(``front.cli.main``, which the console script's ``front.entry.main`` calls), with each phase of
+(``front.cli.main``, which the console script's ``front.entry.main`` calls; this process gives
+way to the worker once it is launched, as the console script does), with each phase of
 the engine and of the worker's protocol wrapped in a timer, and prints every phase as (start,
 seconds, CPU seconds, name): the start counted from this script's first line, the CPU seconds
 those of this process (all its threads) during the phase.  numpy is loaded as the console
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tyingspec._src.front.entry import load_numpy  # noqa: E402
+from tyingspec._src.front.entry import NICE, load_numpy  # noqa: E402
 
 load_numpy()  # as the console script does, before anything loads numpy (see front.entry)
 
@@ -110,6 +111,21 @@ def watch_loading(launch: Callable[..., Any]) -> Callable[..., Any]:
     return launched
 
 
+def giving_way(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """``Worker.launch``, after which this process gives way to its worker as the console
+    script's does after its early launch (``front.entry.NICE``), once: so the engine runs
+    here in the order it runs in the command (see ``engine.observe._observe_ahead``)."""
+    def launched(self: Any) -> None:
+        launch(self)
+        if not getattr(launched, "done", False):
+            launched.done = True  # type: ignore[attr-defined]
+            try:
+                os.nice(NICE)
+            except (AttributeError, OSError):
+                pass
+    return launched
+
+
 def overlap(events: Sequence[tuple[float, float, str, float]]) -> str:
     """How much of the first reference ran before the worker had loaded."""
     loaded = [s for s, _, name, _ in events if name == "worker loaded"]
@@ -131,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also time the reference's parts (its two products, the softmax, "
                          "the bound's terms, the paths and the sketch's directions)")
     a = ap.parse_args(argv)
-    for name in ("batch_for", "judge", "sgd_step", "_prepare", "first_call"):
+    for name in ("batch_for", "judge", "sgd_step", "_prepare", "first_call", "_first_judged",
+                 "_second_judged"):
         setattr(ob, name, timed(name, getattr(ob, name)))
     if a.reference_parts:
         from tyingspec._src.core import paths
@@ -139,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("_times_rows_T", "_times_rows", "_softmax_in_place", "model_terms",
                      "two_paths", "draw_directions"):
             setattr(paths, name, timed(f"  {name}", getattr(paths, name)))
-    iso.Worker.launch = watch_loading(iso.Worker.launch)  # type: ignore[method-assign]
+    iso.Worker.launch = watch_loading(giving_way(iso.Worker.launch))  # type: ignore[method-assign]
     for name in ("launch", "wait_loaded", "submit", "collect"):
         setattr(iso.Worker, name, timed(f"w.{name}", getattr(iso.Worker, name)))
     table = ob.KINDS["model"]
