@@ -605,10 +605,10 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
             and target.table.complete is None and target.worker.outranks():
         return _observe_ahead(target, case)
     # Otherwise the second call is made after the first is judged, not beside its judgement:
-    # where the two share the cores as equals they do so at a loss (a warm case at GPT-2 size
-    # in the Python API, 10 interleaved rounds on the 2-core VM of docs/speed.md: +0.17 s,
-    # 1 of 10 faster, with the second call sent first), and a first call found wrong needs
-    # none.
+    # where the two processes share the cores as equals, sending it first shows no steady
+    # gain (a warm case at GPT-2 size in the Python API, 3 runs of 8-10 interleaved rounds on
+    # the 2-core VM of docs/speed.md: median +0.17 s, -0.40 s and -0.05 s; with the judgement
+    # on a thread of lower priority, +0.04 s), and a first call found wrong needs none.
     first = _remember(target, first_call(target, case, **overrides))
     if first.diagnosis.wrong:
         target._wrong_first.append(first.case)
