@@ -239,30 +239,6 @@ def test_a_first_call_found_wrong_makes_no_second_call_and_the_worker_goes_on(
     assert sent == [c.N for c in cases]
 
 
-def test_an_error_between_the_calls_leaves_the_worker_for_the_next_case(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import tyingspec._src.engine.observe as ob
-
-    target = ob.load(f"{_MUTANTS}:_f32_model", "model", "float32")
-    assert target.worker is not None
-    case = replace(standard_cases(0)[0], dtype="float32")
-
-    def broken(*args: object) -> object:
-        raise RuntimeError("a judge that fails")
-
-    try:
-        with monkeypatch.context() as m:
-            m.setattr(ob, "judge", broken)
-            with pytest.raises(RuntimeError, match="a judge that fails"):
-                ob.observe(target, case)
-        proc = target.worker._proc
-        assert proc is not None and proc.is_alive() and target.worker._running is None
-        assert ob.observe(target, case).status == "correct"
-        assert target.worker._proc is proc  # the same worker: no call was left out
-    finally:
-        target.close()
-
-
 # ---- the command's order: the second call sent before the first is judged ----------------
 # The command gives way to its worker (front.entry.NICE), so its worker outranks it, and the
 # engine sends the second call before judging the first.  A thread 5 below this one stands in
@@ -378,9 +354,13 @@ def test_a_first_call_found_wrong_drops_the_answer_sent_ahead_and_ends_sending_a
                       ("judge", 0), ("send", then.N), ("judge", 0)]
 
 
-@linux_threads
-def test_an_error_judging_the_first_call_leaves_the_worker_with_no_call_in_flight(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("run", [
+    pytest.param(lambda f: f(), id="judged-then-sent"),
+    pytest.param(_given_way, id="sent-ahead", marks=linux_threads),
+])
+def test_an_error_judging_the_first_call_leaves_the_worker_for_the_next_case(
+        monkeypatch: pytest.MonkeyPatch, run: Callable[[Callable[[], object]], object]) -> None:
+    # either order: the second call not yet sent, or sent ahead and its answer then read
     import tyingspec._src.engine.observe as ob
 
     target = ob.load(f"{_MUTANTS}:_f32_model", "model", "float32")
@@ -395,10 +375,11 @@ def test_an_error_judging_the_first_call_leaves_the_worker_with_no_call_in_fligh
         with monkeypatch.context() as m:
             m.setattr(ob, "judge", broken)
             with pytest.raises(RuntimeError, match="a judge that fails"):
-                _given_way(lambda: ob.observe(target, case))
-        assert target.worker._running is None and target.worker._proc is proc
-        assert _given_way(lambda: ob.observe(target, case)).status == "correct"
-        assert target.worker._proc is proc  # the same worker: the call in flight was read
+                run(lambda: ob.observe(target, case))
+        assert proc is not None and proc.is_alive() and target.worker._running is None
+        seen = run(lambda: ob.observe(target, case))
+        assert isinstance(seen, ob.Observation) and seen.status == "correct"
+        assert target.worker._proc is proc  # the same worker: no call was left out
     finally:
         target.close()
 
