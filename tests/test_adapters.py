@@ -253,6 +253,54 @@ def test_a_large_dE_comes_back_bit_for_bit_and_its_block_is_gone(
         target.close()
 
 
+@pytest.mark.parametrize("attr,label", [("clean", "correct"), ("writes_E", "inputs_mutated")])
+def test_a_first_call_prepared_while_the_worker_loads_is_sent_the_blocks_written_then(
+        tmp_path, monkeypatch, attr: str, label: str) -> None:  # type: ignore[no-untyped-def]
+    import tyingspec._src.engine.isolation as iso
+    from tyingspec._src.engine import observe as ob
+
+    (tmp_path / "writers.py").write_text(WRITERS)
+    case = Case("big", V=1024, d=256, N=16, seed=3)
+    assert build(case).E.nbytes >= SHARE_ABOVE
+    writes: list[int] = []
+    written = iso.Worker._written
+
+    def counted(self: iso.Worker, inputs):  # type: ignore[no-untyped-def]
+        writes.append(len(inputs))
+        return written(self, inputs)
+
+    monkeypatch.setattr(iso.Worker, "_written", counted)
+    target = ob.load(f"writers:{attr}", "model", paths=(str(tmp_path),), prepare=[case])
+    try:
+        assert len(writes) == 1  # written while the worker imported its target
+        # the first call goes out on those blocks, and a write into them is still seen
+        assert ob.observe(target, case, step=False).label == label
+        assert len(writes) == 1
+        assert ob.observe(target, case, step=False).label == label
+        assert len(writes) == 2  # a later call writes its own
+    finally:
+        target.close()
+
+
+def test_inputs_written_ahead_are_sent_only_for_the_same_arrays(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "writers.py").write_text(WRITERS)
+    staged = KINDS["model"].inputs(build(Case("big", V=1024, d=256, N=16, seed=3)))
+    other = KINDS["model"].inputs(build(Case("big", V=1024, d=256, N=16, seed=4)))
+    target = load("writers:clean", "model", paths=(str(tmp_path),))
+    try:
+        worker = target.worker
+        assert worker is not None
+        for sent, staged_too in ((other, staged), (dict(staged), staged)):
+            worker.stage(staged_too)
+            worker.submit(sent)  # another batch: written afresh; the same arrays: as staged
+            got = worker.collect()
+            assert got.dE.tobytes() == call_model("writers:clean", _good, sent).dE.tobytes()
+            assert got.mutated == ()
+    finally:
+        target.close()
+
+
 def test_a_large_bfloat16_dE_comes_back_as_bfloat16_bit_for_bit(
         tmp_path) -> None:  # type: ignore[no-untyped-def]
     from tyingspec._src.core.tolerance import numpy_dtype

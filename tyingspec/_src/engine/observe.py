@@ -208,6 +208,7 @@ def _prepare(target: Target, cases: Sequence[Case]) -> None:
             inputs = target.table.inputs(batch)
         except Exception:  # noqa: BLE001  (raised again by the first call)
             return
+        target.worker.stage(_given(target, inputs))  # the call's blocks, off its path
         target.worker.wait_loaded(block=False)
         paths: Paths | _Building | None = None
         if target.precision == "auto":
