@@ -385,6 +385,37 @@ def test_an_error_judging_the_first_call_leaves_the_worker_for_the_next_case(
 
 
 @linux_threads
+def test_an_interrupt_while_a_call_is_in_flight_stops_the_worker_without_waiting_for_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tyingspec._src.engine.isolation as iso
+    import tyingspec._src.engine.observe as ob
+
+    target = ob.load(f"{_MUTANTS}:_f32_model", "model", "float32")
+    assert target.worker is not None
+    case = replace(standard_cases(0)[0], dtype="float32")
+    collected: list[int] = []
+    collect = iso.Worker.collect
+
+    def counted(self: iso.Worker) -> object:
+        collected.append(1)
+        return collect(self)
+
+    def interrupted(*args: object) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(iso.Worker, "collect", counted)
+    monkeypatch.setattr(ob, "judge", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _given_way(lambda: ob.observe(target, case))
+        # the first call's answer was read; the second call's is left to the stopped worker
+        assert collected == [1]
+        assert target.worker._proc is None and target.worker._running is None
+    finally:
+        target.close()
+
+
+@linux_threads
 @pytest.mark.parametrize("given_way", [True, False])
 def test_a_worker_that_outranks_the_engine_is_sent_its_first_call_before_the_prepared_reference_is_built(  # noqa: E501
         monkeypatch: pytest.MonkeyPatch, given_way: bool) -> None:

@@ -646,9 +646,14 @@ def _observe_ahead(target: Target, case: Case) -> Observation:
         worker.submit(_given(target, later))
     try:
         first = _remember(target, _first_judged(target, case, batch, inputs, returned, paths))
-    except BaseException:
+    except Exception:
         if after is not None:
-            _drop_answer(worker)
+            _drop_answer(worker)  # the worker stays, ready for the next case
+        raise
+    except BaseException:
+        # an interrupt: the check ends now, without waiting for the call in flight
+        if after is not None:
+            worker.stop(wait=False)
         raise
     if after is None:
         return first
