@@ -115,10 +115,12 @@ def giving_way(launch: Callable[..., Any]) -> Callable[..., Any]:
     """``Worker.launch``, after which this process gives way to its worker as the console
     script's does after its early launch (``front.entry.NICE``), once: so the engine runs
     here in the order it runs in the command (see ``engine.observe._observe_ahead``)."""
+    given: list[bool] = []
+
     def launched(self: Any) -> None:
         launch(self)
-        if not getattr(launched, "done", False):
-            launched.done = True  # type: ignore[attr-defined]
+        if not given:
+            given.append(True)
             try:
                 os.nice(NICE)
             except (AttributeError, OSError):

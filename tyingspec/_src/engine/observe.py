@@ -211,16 +211,16 @@ def _prepare(target: Target, cases: Sequence[Case]) -> None:
         target.worker.stage(_given(target, inputs))  # the call's blocks, off its path
         target.worker.wait_loaded(block=False)
         paths: Paths | _Building | None = None
-        if target.precision == "auto":
-            pass
-        elif target.worker.outranks():
-            paths = _Building(functools.partial(target.table.reference, batch, inputs,
-                                                target.precision, None))
-        else:
-            try:
-                paths = target.table.reference(batch, inputs, target.precision, None)
-            except Exception:  # noqa: BLE001  (raised again by the first call)
-                paths = None
+        if target.precision != "auto":
+            build = functools.partial(target.table.reference, batch, inputs, target.precision,
+                                      None)
+            if target.worker.outranks():
+                paths = _Building(build)
+            else:
+                try:
+                    paths = build()
+                except Exception:  # noqa: BLE001  (raised again by the first call)
+                    paths = None
         target._prepared[case] = _Prepared(spelled, _released(target, batch, inputs), inputs,
                                            paths)
 
@@ -244,10 +244,11 @@ def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
 
 
 def _invoke(target: Target, inputs: dict[str, Any]) -> Returned:
+    given = _given(target, inputs)
     if target.worker is not None:
-        returned: Returned = target.worker.invoke(_given(target, inputs))
+        returned: Returned = target.worker.invoke(given)
         return returned
-    return target.table.invoke(target.spec, target.fn, _given(target, inputs))
+    return target.table.invoke(target.spec, target.fn, given)
 
 
 def _given(target: Target, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -524,13 +525,17 @@ def _first_made(target: Target, case: Case, **overrides: Any
 
 def _first_judged(target: Target, case: Case, batch: Batch, inputs: dict[str, Any],
                   returned: Returned, paths: Paths | _Building | None) -> Observation:
-    """Steps 3-5: the first call's reference (unless prepared) and its judgement."""
+    """Steps 3-5: the first call's reference (unless prepared) and its judgement; a first call
+    found wrong is remembered on the target (see :func:`_observe_ahead`)."""
     if isinstance(paths, _Building):
         paths = paths.result()
     precision = precision_for(target, returned)
     returned, paths = _judged(target, batch, inputs, precision, returned, paths)
-    return Observation(case, batch, returned, paths, precision,
-                       judge(returned, paths, precision), inputs=inputs)
+    obs = Observation(case, batch, returned, paths, precision,
+                      judge(returned, paths, precision), inputs=inputs)
+    if obs.diagnosis.wrong:
+        target._wrong_first.append(case)
+    return obs
 
 
 #: The last dE each target returned, per shape: a gradient buffer that is never zeroed shows
@@ -611,15 +616,12 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
     # the 2-core VM of docs/speed.md: median +0.17 s, -0.40 s and -0.05 s; with the judgement
     # on a thread of lower priority, +0.04 s), and a first call found wrong needs none.
     first = _remember(target, first_call(target, case, **overrides))
-    if first.diagnosis.wrong:
-        target._wrong_first.append(first.case)
     if not step or first.diagnosis.wrong:
         return first
-    after = _after_first(target, first.batch, first.returned)
+    after = _after_first(target, first.batch, first.inputs, first.returned)
     if after is None:
         return first
-    batch, lr = after
-    inputs = first.inputs if batch is first.batch else target.table.inputs(batch)
+    batch, lr, inputs = after
     return _second_judged(target, first, batch, lr, inputs, _invoke(target, inputs))
 
 
@@ -640,10 +642,9 @@ def _observe_ahead(target: Target, case: Case) -> Observation:
     worker = target.worker
     assert worker is not None
     case, batch, inputs, returned, paths = _first_made(target, case)
-    after = _after_first(target, batch, returned)
+    after = _after_first(target, batch, inputs, returned)
     if after is not None:
-        later = inputs if after[0] is batch else target.table.inputs(after[0])
-        worker.submit(_given(target, later))
+        worker.submit(_given(target, after[2]))
     try:
         first = _remember(target, _first_judged(target, case, batch, inputs, returned, paths))
     except Exception:
@@ -658,10 +659,9 @@ def _observe_ahead(target: Target, case: Case) -> Observation:
     if after is None:
         return first
     if first.diagnosis.wrong:
-        target._wrong_first.append(first.case)
         _drop_answer(worker)
         return first
-    return _second_judged(target, first, after[0], after[1], later, worker.collect())
+    return _second_judged(target, first, *after, worker.collect())
 
 
 def _drop_answer(worker: Worker) -> None:
@@ -674,22 +674,23 @@ def _drop_answer(worker: Worker) -> None:
         # this one has died
 
 
-def _after_first(target: Target, batch: Batch, returned: Returned
-                 ) -> tuple[Batch, float] | None:
-    """Step 6's batch and SGD step size, from the first call's batch and what it returned:
-    the same batch for a repeat (step 0), the short batch after one step with the dE it
-    returned; None when the kind makes no second call or the step would not move E (or
+def _after_first(target: Target, batch: Batch, inputs: dict[str, Any], returned: Returned
+                 ) -> tuple[Batch, float, dict[str, Any]] | None:
+    """Step 6's batch, SGD step size and inputs, from the first call's batch, inputs and what
+    it returned: the same for a repeat (step 0), the short batch after one step with the dE
+    it returned; None when the kind makes no second call or the step would not move E (or
     would move it by no finite amount)."""
     if target.table.second_call == "none":
         return None
     if target.table.second_call == "repeat":
-        return batch, 0.0
+        return batch, 0.0, inputs
     moved = sgd_step(batch, returned.dE)
     if moved is None or not np.isfinite(moved[1]):  # a dE that is not finite is wrong anyway
         return None
     stepped, lr = moved
     keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
-    return replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep]), lr
+    short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
+    return short, lr, target.table.inputs(short)
 
 
 def _second_judged(target: Target, first: Observation, batch: Batch, lr: float,
