@@ -4,21 +4,20 @@
     python -m benchmarks.bench_check_timeline --V 2000 --d 64 --N 256
 
 Runs the command ``bench_check`` times as (b), ``tyingspec check benchmarks.torch_probe:tied_f32
---precision float32 --shape V,d,N --case absent-tokens --shrink-budget 0``, in this process
-(``front.cli.main``, which the console script's ``front.entry.main`` calls; this process gives
-way to the worker once it is launched, as the console script does), with each phase of
-the engine and of the worker's protocol wrapped in a timer, and prints every phase as (start,
-seconds, CPU seconds, name): the start counted from this script's first line, the CPU seconds
-those of this process (all its threads) during the phase.  numpy is loaded as the console
-script loads it (``front.entry``), but the command runs in process, so without the console
-script's early start of the worker.  The phases: the worker's launch, the batch and reference
-built while the worker imports the target (``_prepare``), waiting for the import
-(``w.wait_loaded``), each call (``w.submit`` sends the inputs, ``w.collect`` waits for the
-answer), judging, the SGD step and the second call's reference.  ``worker loaded`` is when the
-worker's answer to its import arrived (a thread polls the channel, reading nothing), and the
-last line says how much of the reference ran beside the import.  One run: read it beside
-``bench_check``'s (F) and ``floor_parts``.
+--precision float32 --shape V,d,N --case absent-tokens --shrink-budget 0``, in this process and
+in the console script's order (``front.entry.main``): the worker is started from the arguments
+before numpy loads (``w.launch_early``) and this process gives way to it (``front.entry.NICE``);
+then the command runs (``front.cli.main``) with each phase of the engine and of the worker's
+protocol wrapped in a timer.  It prints every phase as (start, seconds, CPU seconds, name): the
+start counted from this script's first line, the CPU seconds those of this process (all its
+threads) during the phase.  The phases: the batch and reference built while the worker imports
+the target (``_prepare``), waiting for the import (``w.wait_loaded``), each call (``w.submit``
+sends the inputs, ``w.collect`` waits for the answer), judging, the SGD step and the second
+call's reference.  ``worker loaded`` is when the worker's answer to its import arrived (a thread
+polls the channel, reading nothing), and the last line says how much of the reference ran
+beside the import.  One run: read it beside ``bench_check``'s (F) and ``floor_parts``.
 """
+
 
 from __future__ import annotations
 
@@ -41,17 +40,52 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tyingspec._src.front.entry import NICE, load_numpy  # noqa: E402
+from tyingspec._src.front.entry import NICE, early_target, load_numpy  # noqa: E402
 
+#: (start, seconds, name, CPU seconds of this process in it; NaN for an instant)
+EVENTS: list[tuple[float, float, str, float]] = []
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--V", type=int, default=50257)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--N", type=int, default=1024)
+    ap.add_argument("--reference-parts", action="store_true",
+                    help="also time the reference's parts (its two products, the softmax, "
+                         "the bound's terms, the paths and the sketch's directions)")
+    return ap
+
+
+def command(a: argparse.Namespace) -> list[str]:
+    """The arguments of the timed command."""
+    return ["check", "benchmarks.torch_probe:tied_f32", "--precision", "float32",
+            "--shape", f"{a.V},{a.d},{a.N}", "--case", "absent-tokens", "--shrink-budget",
+            "0", "--json", os.devnull]
+
+
+def _start_early(argv: Sequence[str]) -> None:
+    """What ``front.entry.main`` does before numpy loads: start the worker, give way to it."""
+    early = early_target(argv)
+    if early is None:
+        return
+    from tyingspec._src.core.options import target_paths
+    from tyingspec._src.engine.isolation import launch_early
+
+    launch_early(early[0], early[1], target_paths(), early[2])
+    EVENTS.append((time.perf_counter() - T0, 0.0, "w.launch_early", math.nan))
+    with contextlib.suppress(AttributeError, OSError):
+        os.nice(NICE)
+
+
+ARGS = _parser().parse_args() if __name__ == "__main__" else None
+if ARGS is not None:
+    _start_early(command(ARGS))
 load_numpy()  # as the console script does, before anything loads numpy (see front.entry)
 
 import tyingspec._src.engine.isolation as iso  # noqa: E402
 import tyingspec._src.engine.observe as ob  # noqa: E402
 from tyingspec._src.front import cli  # noqa: E402
-
-#: (start, seconds, name, CPU seconds of this process in it; NaN for an instant)
-EVENTS: list[tuple[float, float, str, float]] = []
-
 
 Record = Callable[[float, float, str], None]  # (started, seconds, label)
 
@@ -111,23 +145,6 @@ def watch_loading(launch: Callable[..., Any]) -> Callable[..., Any]:
     return launched
 
 
-def giving_way(launch: Callable[..., Any]) -> Callable[..., Any]:
-    """``Worker.launch``, after which this process gives way to its worker as the console
-    script's does after its early launch (``front.entry.NICE``), once: so the engine runs
-    here in the order it runs in the command (see ``engine.observe._observe_ahead``)."""
-    given: list[bool] = []
-
-    def launched(self: Any) -> None:
-        launch(self)
-        if not given:
-            given.append(True)
-            try:
-                os.nice(NICE)
-            except (AttributeError, OSError):
-                pass
-    return launched
-
-
 def overlap(events: Sequence[tuple[float, float, str, float]]) -> str:
     """How much of the first reference ran before the worker had loaded."""
     loaded = [s for s, _, name, _ in events if name == "worker loaded"]
@@ -141,14 +158,7 @@ def overlap(events: Sequence[tuple[float, float, str, float]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--V", type=int, default=50257)
-    ap.add_argument("--d", type=int, default=768)
-    ap.add_argument("--N", type=int, default=1024)
-    ap.add_argument("--reference-parts", action="store_true",
-                    help="also time the reference's parts (its two products, the softmax, "
-                         "the bound's terms, the paths and the sketch's directions)")
-    a = ap.parse_args(argv)
+    a = ARGS if ARGS is not None and argv is None else _parser().parse_args(argv)
     for name in ("batch_for", "judge", "sgd_step", "_prepare", "first_call", "_first_judged",
                  "_second_judged"):
         setattr(ob, name, timed(name, getattr(ob, name)))
@@ -158,15 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("_times_rows_T", "_times_rows", "_softmax_in_place", "model_terms",
                      "two_paths", "draw_directions"):
             setattr(paths, name, timed(f"  {name}", getattr(paths, name)))
-    iso.Worker.launch = watch_loading(giving_way(iso.Worker.launch))  # type: ignore[method-assign]
+    iso.Worker.launch = watch_loading(iso.Worker.launch)  # type: ignore[method-assign]
     for name in ("launch", "wait_loaded", "submit", "collect"):
         setattr(iso.Worker, name, timed(f"w.{name}", getattr(iso.Worker, name)))
     table = ob.KINDS["model"]
     object.__setattr__(table, "reference", timed("reference", table.reference))
     started = time.perf_counter() - T0
-    argv_ = ["check", "benchmarks.torch_probe:tied_f32", "--precision", "float32",
-             "--shape", f"{a.V},{a.d},{a.N}", "--case", "absent-tokens", "--shrink-budget",
-             "0", "--json", os.devnull]
+    argv_ = command(a)
     code, verdict = quiet_command(argv_)
     end = time.perf_counter() - T0
     print(f"== one cold check at V={a.V} d={a.d} N={a.N}, float32 (exit {code}): imports "
