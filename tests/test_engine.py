@@ -278,6 +278,13 @@ def _given_way(fn: Callable[[], T]) -> T:
     return _in_thread(niced)
 
 
+def _blas_threads() -> set[int]:
+    """numpy's BLAS threads, as threadpoolctl reads them."""
+    from threadpoolctl import threadpool_info
+
+    return {int(lib["num_threads"]) for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+
 def _recording(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Every call sent to a worker (with its positions) and every judgement, in order."""
     import tyingspec._src.engine.isolation as iso
@@ -425,6 +432,7 @@ def test_a_worker_that_outranks_the_engine_is_sent_its_first_call_before_the_pre
 
     sent = threading.Event()
     seen: list[bool] = []  # per reference built: was the first call sent while it was built?
+    on: list[set[int]] = []  # per reference built: numpy's BLAS threads while it was built
     launch, submit = iso.Worker.launch, iso.Worker.submit
     table = ob.KINDS["model"]
     reference = table.reference
@@ -441,6 +449,7 @@ def test_a_worker_that_outranks_the_engine_is_sent_its_first_call_before_the_pre
 
     def built(*args: object) -> object:
         seen.append(sent.wait(timeout=60.0 if given_way else 0.5))
+        on.append(_blas_threads())
         return reference(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(iso.Worker, "launch", launched)
@@ -455,12 +464,17 @@ def test_a_worker_that_outranks_the_engine_is_sent_its_first_call_before_the_pre
             target.close()
 
     object.__setattr__(table, "reference", built)  # the kind's table is frozen: it is shared
+    before = _blas_threads()  # one thread per core: more than one on CI's machine
     try:
         obs = _in_thread(check)
+        after = _blas_threads()
     finally:
         object.__setattr__(table, "reference", reference)
     assert obs.status == "correct"
     assert seen == [given_way]  # built once, and beside the call only where the worker outranks
+    # beside the worker, on the one core the worker leaves; then the count is as it was
+    assert on == [{1} if given_way else before]
+    assert after == before
 
 
 _SHAPE_BUFFER = '''

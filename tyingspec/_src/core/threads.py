@@ -8,6 +8,10 @@ pool of threads made for the call and joined before it returns, so no thread out
 fork after it, by a target or by ``multiprocessing``, copies no idle pool).  Whatever is
 split must not depend on how: each piece's result is its own, so the answer is the same on any
 number of cores.
+
+The opposite holds beside a worker that wants every core (the command's, which outranks this
+process: see ``engine.observe._Building``): there :func:`blas_on_one_core` keeps numpy's BLAS
+products to one thread, so that they take the core the worker leaves idle and no more.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -57,3 +62,19 @@ def on_row_blocks(fn: Callable[[slice], None], rows: int, block: int) -> None:
             fn(slice(i * block, min(rows, (i + 1) * block)))
 
     on_cores(run, row_ranges(count, cores()) if count else [])
+
+
+
+def blas_on_one_core() -> AbstractContextManager[Any]:
+    """numpy's BLAS products on one thread while the ``with`` block runs, then as before.
+
+    BLAS keeps one thread count for the whole process (OpenBLAS built with pthreads, numpy's
+    own), so this holds for every thread of it: meant for work on a thread of its own while
+    the rest of the process waits (a product elsewhere meanwhile is slower, never different).
+    threadpoolctl sets it, and lets only one thread at a time do so: while another thread
+    holds a limit of its own (a user's ``threadpool_limits``), this one leaves the count as
+    it is, and so does a BLAS threadpoolctl does not know."""
+    from threadpoolctl import threadpool_limits
+
+    limits: AbstractContextManager[Any] = threadpool_limits(limits=1, user_api="blas")
+    return limits

@@ -36,7 +36,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from tyingspec._src.core import memory
+from tyingspec._src.core import memory, threads
 from tyingspec._src.core.adapters import AdapterError, Returned
 from tyingspec._src.core.cases import PROBE_CASES, Batch, Case, at_shape, build, sgd_step
 from tyingspec._src.core.diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
@@ -128,7 +128,15 @@ class _Building:
 
     def _build(self, build: Callable[[], Paths]) -> None:
         try:
-            self._paths = build()
+            # On one BLAS thread: beside the import it has the one core the import leaves
+            # idle, and beside the call whatever the call leaves; a second thread only waits
+            # for a core that is not free, and OpenBLAS's threads wait for each other.  Alone
+            # at GPT-2 size on the 2-core VM of docs/speed.md the reference takes about the
+            # same CPU seconds either way (1.74-1.85 on two threads, 1.66-1.84 on one); beside
+            # the worker, the cold command went from a median 4.46 s to 4.31 s (10
+            # interleaved pairs, 10 of 10 faster; another 10 pairs: -0.09 s, 9 of 10).
+            with threads.blas_on_one_core():
+                self._paths = build()
         except Exception:  # noqa: BLE001  (built again, and raised, by the judgement)
             self._paths = None
 
