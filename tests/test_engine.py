@@ -477,6 +477,85 @@ def test_a_worker_that_outranks_the_engine_is_sent_its_first_call_before_the_pre
     assert after == before
 
 
+
+@linux_threads
+@pytest.mark.parametrize("order", ["equals", "outranked", "small"])
+def test_a_call_in_a_worker_has_its_reference_built_beside_it_where_the_worker_is_an_equal(
+        monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    # The Python API and the plugin: the worker is this process's equal, and a call not
+    # prepared while it loaded has its reference built while it runs, on one BLAS thread.
+    # The command's worker outranks it (it runs after the call), and a small one is not worth
+    # a thread.
+    import tyingspec._src.engine.isolation as iso
+    import tyingspec._src.engine.observe as ob
+
+    if order != "small":
+        monkeypatch.setattr(ob, "_BESIDE_CALL_ABOVE", 0)
+    beside = order == "equals"
+    started = threading.Event()
+    seen: list[bool] = []  # per call collected: had its reference started before the answer?
+    on: list[set[int]] = []  # numpy's BLAS threads while the reference was built
+    collect = iso.Worker.collect
+    table = ob.KINDS["model"]
+    reference = table.reference
+
+    def collected(self: iso.Worker) -> object:
+        seen.append(started.wait(timeout=60.0 if beside else 0.5))
+        return collect(self)
+
+    def built(*args: object) -> object:
+        on.append(_blas_threads())
+        started.set()
+        return reference(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(iso.Worker, "collect", collected)
+    case = replace(standard_cases(0)[0], dtype="float32")
+
+    target = ob.load(f"{_MUTANTS}:_f32_model", "model", "float32")
+    object.__setattr__(table, "reference", built)
+    before = _blas_threads()
+    try:
+        run = _given_way if order == "outranked" else _in_thread
+        obs = run(lambda: ob.observe(target, case, step=False))
+    finally:
+        object.__setattr__(table, "reference", reference)
+        target.close()
+    assert obs.status == "correct"
+    assert seen == [beside]
+    assert on == [{1} if beside else before]
+    assert _blas_threads() == before
+
+
+_RAISES_ONCE = '''
+from tyingspec._src.kinds.probe.mutants import _f32_model
+
+CALLS = []
+
+
+def model(E, W, b, tokens, targets, *, res=1.0, s_in=1.0):
+    CALLS.append(1)
+    if len(CALLS) == 1:
+        raise ValueError("the first call fails")
+    return _f32_model(E, W, b, tokens, targets, res=res, s_in=s_in)
+'''
+
+
+def test_a_call_that_fails_while_its_reference_is_built_is_reported_and_the_next_goes_on(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import tyingspec._src.engine.observe as ob
+
+    monkeypatch.setattr(ob, "_BESIDE_CALL_ABOVE", 0)
+    (tmp_path / "raises_once.py").write_text(_RAISES_ONCE)
+    target = ob.load("raises_once:model", "model", "float32", paths=(str(tmp_path),))
+    case = replace(standard_cases(0)[0], dtype="float32")
+    try:
+        with pytest.raises(tyingspec.AdapterError, match="the first call fails"):
+            ob.observe(target, case, step=False)
+        assert target.worker is not None and target.worker._running is None
+        assert ob.observe(target, case, step=False).status == "correct"
+    finally:
+        target.close()
+
 _SHAPE_BUFFER = '''
 import numpy as np
 from tyingspec._src.core.paths import flatten_batch, forward_parts, scatter_rows

@@ -10,7 +10,8 @@ One observation:
 
 1. build the case's arrays (in the declared precision, when one is declared);
 2. hand the kind's inputs to the adapter (copies) and validate what it returned;
-3. build the float64 reference for those inputs (sympy on small shapes, closed form beyond);
+3. build the float64 reference for those inputs (sympy on small shapes, closed form beyond),
+   at large shapes while a worker runs the call (see :class:`_Building`);
 4. decide the precision it is judged at (declared, or the least precise float it returned);
 5. judge: the loss first (a different forward cannot be judged against this reference), then
    every row of dE against its rounding bound (at production sizes the rows of absent tokens
@@ -110,14 +111,15 @@ class _Prepared:
 
 
 class _Building:
-    """A first call's reference built on a thread of its own, for a worker that outranks this
-    process: the worker's import is the check's critical path and its first call the next
-    part of it, so the call is sent as soon as the import is done, and the rest of the
-    reference is built while the worker runs it, in what the call leaves of the cores (the
-    cold command at GPT-2 size on the 2-core VM of docs/speed.md, 2 runs of 10 interleaved
-    pairs against the reference built before the call: median -0.29 s and -0.22 s, 8 and 6
-    of 10 faster).  A reference that fails is built again where the call is judged, to
-    raise there."""
+    """A first call's reference built on a thread of its own while the worker runs the call,
+    in what the call leaves of the cores.  For a worker that outranks this process, the
+    reference prepared while it imports the target: the import is the check's critical path
+    and the first call the next part of it, so the call is sent as soon as the import is done
+    and the reference's rest is built beside it (the cold command at GPT-2 size on the 2-core
+    VM of docs/speed.md, 2 runs of 10 interleaved pairs against the reference built before
+    the call: median -0.29 s and -0.22 s, 8 and 6 of 10 faster).  For a worker that is this
+    process's equal, every call not prepared (see :data:`_BESIDE_CALL_ABOVE`).  A reference
+    that fails is built again where the call is judged, to raise there."""
 
     def __init__(self, build: Callable[[], Paths]) -> None:
         self._paths: Paths | None = None
@@ -148,10 +150,8 @@ class _Building:
 
 #: Kinds whose reference is a function of the inputs and the precision alone (a torch model's
 #: is observed in its call): with a declared precision, the first call's is built while the
-#: worker loads (an import leaves a core idle).  A later call's reference is built after the
-#: call, not beside it: both are matrix products on both cores, and overlapped they slowed each
-#: other down more than they saved (a warm case at GPT-2 size on a quiet 2-core machine: 5.7 s
-#: overlapped, 5.3 s in sequence, the median of 3 interleaved rounds).
+#: worker loads (an import leaves a core idle), and a later call's beside the call where the
+#: worker is this process's equal (see :data:`_BESIDE_CALL_ABOVE`).
 _REFERENCE_FIRST = ("model", "kernel")
 
 
@@ -522,13 +522,45 @@ def _first_made(target: Target, case: Case, **overrides: Any
     """Steps 1-2: the first call made (on what was prepared for it while the worker loaded,
     if anything), with its reference if that was prepared too."""
     prepared = None if overrides else target._prepared.pop(case, None)
-    if prepared is None:
-        case, batch = batch_for(target, case)
-        inputs = target.table.inputs(batch) | overrides
-        batch = _released(target, batch, inputs)
+    if prepared is not None:
+        return (prepared.case, prepared.batch, prepared.inputs,
+                _invoke(target, prepared.inputs), prepared.paths)
+    case, whole = batch_for(target, case)
+    inputs = target.table.inputs(whole) | overrides
+    batch = _released(target, whole, inputs)
+    if overrides or not _beside_call(target, whole):
         return case, batch, inputs, _invoke(target, inputs), None
-    return (prepared.case, prepared.batch, prepared.inputs,
-            _invoke(target, prepared.inputs), prepared.paths)
+    # The worker runs the call while this process builds its reference (see _BESIDE_CALL_ABOVE)
+    assert target.worker is not None
+    target.worker.submit(_given(target, inputs))
+    paths = _Building(functools.partial(target.table.reference, whole, inputs, target.precision,
+                                        None))
+    return case, batch, inputs, target.worker.collect(), paths
+
+
+#: Multiply-adds of a reference's products (V d N) from which a call made in a worker that is
+#: this process's equal (the Python API's, the pytest plugin's) has its reference built beside
+#: it, on a thread of its own (:class:`_Building`): the call leaves part of the cores idle,
+#: which the reference's one BLAS thread takes.  A warm case at GPT-2 size on the 2-core VM of
+#: docs/speed.md, 3 runs of 8-10 interleaved rounds against the reference built after the
+#: call: median -0.11 s, -0.16 s and -0.16 s (6 of 8, 7 of 8, 7 of 10 faster); on two BLAS
+#: threads in this thread, -0.11 s; on a thread of lower priority, +0.24 s.  Not for a worker
+#: that outranks this process (the command's), whose calls leave its reference too little: the
+#: whole seven-case command at that size took 1.9 s longer (4 interleaved rounds, 0 of 4
+#: faster); there only the first case's reference, which starts beside the import, is built
+#: beside the call.  Below this size a thread costs more than the overlap gives back.
+_BESIDE_CALL_ABOVE = 2**24
+
+
+def _beside_call(target: Target, batch: Batch) -> bool:
+    """Whether a first call's reference is built while the worker runs the call: its inputs
+    are known, the precision is declared, and the products are large enough."""
+    E = batch.E
+    return (target.worker is not None and target.precision != "auto"
+            and target.kind in _REFERENCE_FIRST and target.table.complete is None
+            and E is not None and E.ndim == 2
+            and E.shape[0] * E.shape[1] * batch.tokens.size > _BESIDE_CALL_ABOVE
+            and not target.worker.outranks())
 
 
 def _first_judged(target: Target, case: Case, batch: Batch, inputs: dict[str, Any],
