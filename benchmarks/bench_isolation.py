@@ -13,9 +13,10 @@ a pipe).  It also times starting the worker (a fresh interpreter, imports).
 At GPT-2 size (V=50257, d=768, float32; ``--gpt2-repeats 0`` skips it) it times the two calls
 ``tyingspec check benchmarks.torch_probe:tied_f32 --precision float32 --shape 50257,768,1024``
 makes: the first on the ``absent-tokens`` batch (N=1024), the second at E after one SGD step
-on its first 64 positions.  Each round, interleaved: both calls of the bare function in a
-freshly spawned process, then both through a freshly started worker (as each check starts
-one; the starts are not timed), so that both first calls pay torch's first-call costs.  The
+on its first ``SECOND_CALL_POSITIONS`` (16) positions.  Each round, interleaved: both calls
+of the bare function in a freshly spawned process, then both through a freshly started worker
+(as each check starts one; the starts are not timed), so that both first calls pay torch's
+first-call costs.  The
 overhead of a call is the worker's time minus the bare function's in the same round: sending
 the inputs, the adapter's copies and validation, and bringing dE back.
 """
@@ -61,8 +62,8 @@ def _first_batch() -> Batch:
 
 
 def _second_batch(first: Batch, dE: Any) -> Batch:
-    """The second call's: E after one SGD step along the first call's dE, on the first 64
-    positions."""
+    """The second call's: E after one SGD step along the first call's dE, on the first
+    ``SECOND_CALL_POSITIONS`` positions."""
     moved = sgd_step(first, np.asarray(dE))
     assert moved is not None
     return replace(moved[0], tokens=moved[0].tokens[:SECOND_CALL_POSITIONS],

@@ -556,6 +556,30 @@ def test_a_call_that_fails_while_its_reference_is_built_is_reported_and_the_next
     finally:
         target.close()
 
+
+@pytest.mark.parametrize(("mutant", "label"), [("_copy_tie", "tie_is_a_copy"),
+                                               ("_stale_model", "gradient_not_zeroed")])
+@pytest.mark.parametrize("name", ["absent-tokens", "repeated-tokens"])
+def test_the_short_call_after_the_step_still_names_state_kept_between_calls(
+        mutant: str, label: str, name: str) -> None:
+    # The call after the SGD step sees only the batch's first SECOND_CALL_POSITIONS positions
+    # (a fraction of them at production sizes); that is enough to name a copied tie and a
+    # buffer never zeroed, which are right on the first call.
+    import tyingspec._src.engine.observe as ob
+    from tyingspec._src.core.cases import at_shape
+
+    reset_state()
+    cases, _ = at_shape(standard_cases(0), 512, 32, 8 * ob.SECOND_CALL_POSITIONS)
+    case = next(c for c in cases if c.name == name)
+    target = ob.load(f"{_MUTANTS}:{mutant}", "model", "float32", isolate=False)
+    try:
+        obs = ob.observe(target, case)
+    finally:
+        target.close()
+        reset_state()
+    assert (obs.stage, obs.label) == (ob.AFTER_STEP, label)
+    assert obs.batch.tokens.size == ob.SECOND_CALL_POSITIONS < case.N
+
 _SHAPE_BUFFER = '''
 import numpy as np
 from tyingspec._src.core.paths import flatten_batch, forward_parts, scatter_rows

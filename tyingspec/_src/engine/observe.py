@@ -63,8 +63,14 @@ Status = Literal["correct", "no_power", "wrong", "adapter_error"]
 
 #: The call after the SGD step sees at most this many positions of the batch: it is there to
 #: catch state kept between calls (a copied tie, an unzeroed buffer), which any batch shows,
-#: and a short one keeps its cost a small part of a check at production sizes.
-SECOND_CALL_POSITIONS = 64
+#: and a short one keeps its cost a small part of a check at production sizes.  16, not 64:
+#: the cold command at GPT-2 size on the 2-core VM of docs/speed.md, 2 runs of 10
+#: interleaved pairs, median -0.18 s and -0.28 s (7 and 7 of 10 faster); its call and
+#: reference are V x d passes either way, but each product on N positions shrinks with N.
+#: A copied tie and a buffer never zeroed are still named at that size, and at V=8192,
+#: d=256, N=512 in float32 and float64 on all seven cases (bfloat16 has no power there, with
+#: 64 positions as with 16).
+SECOND_CALL_POSITIONS = 16
 
 
 @dataclass(frozen=True)
