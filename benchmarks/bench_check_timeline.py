@@ -18,7 +18,6 @@ polls the channel, reading nothing), and the last line says how much of the refe
 beside the import.  One run: read it beside ``bench_check``'s (F) and ``floor_parts``.
 """
 
-
 from __future__ import annotations
 
 import time

@@ -9,9 +9,9 @@ fork after it, by a target or by ``multiprocessing``, copies no idle pool).  Wha
 split must not depend on how: each piece's result is its own, so the answer is the same on any
 number of cores.
 
-The opposite holds beside a worker that wants every core (the command's, which outranks this
-process: see ``engine.observe._Building``): there :func:`blas_on_one_core` keeps numpy's BLAS
-products to one thread, so that they take the core the worker leaves idle and no more.
+The opposite holds beside a worker that is running a call or an import, which wants the cores
+too (see ``engine.observe._Building``): there :func:`blas_on_one_core` keeps numpy's BLAS
+products to one thread, so that they take what the worker leaves idle and no more.
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ def on_row_blocks(fn: Callable[[slice], None], rows: int, block: int) -> None:
             fn(slice(i * block, min(rows, (i + 1) * block)))
 
     on_cores(run, row_ranges(count, cores()) if count else [])
-
 
 
 def blas_on_one_core() -> AbstractContextManager[Any]:

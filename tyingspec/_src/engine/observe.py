@@ -161,6 +161,16 @@ class _Building:
 _REFERENCE_FIRST = ("model", "kernel")
 
 
+def _reference_from_inputs(target: Target) -> bool:
+    """Whether ``target``'s reference can be built from a call's inputs before it returns."""
+    return target.kind in _REFERENCE_FIRST and target.table.complete is None
+
+
+def _reference_of(target: Target, batch: Batch, inputs: dict[str, Any]) -> Callable[[], Paths]:
+    """The reference of a call on ``batch``'s ``inputs`` at the declared precision, to build."""
+    return functools.partial(target.table.reference, batch, inputs, target.precision, None)
+
+
 def _remote(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("this target runs in its worker process: use tyingspec's engine.call")
 
@@ -213,8 +223,7 @@ def _prepare(target: Target, cases: Sequence[Case]) -> None:
     the worker already reported ends the load at once; a case that cannot be built is left
     for its first call, to fail where it always did."""
     assert target.worker is not None
-    if target.table.own_shape or target.kind not in _REFERENCE_FIRST or \
-            target.table.complete is not None:
+    if target.table.own_shape or not _reference_from_inputs(target):
         return
     for case in cases:
         try:
@@ -226,8 +235,7 @@ def _prepare(target: Target, cases: Sequence[Case]) -> None:
         target.worker.wait_loaded(block=False)
         paths: Paths | _Building | None = None
         if target.precision != "auto":
-            build = functools.partial(target.table.reference, batch, inputs, target.precision,
-                                      None)
+            build = _reference_of(target, batch, inputs)
             if target.worker.outranks():
                 paths = _Building(build)
             else:
@@ -539,8 +547,7 @@ def _first_made(target: Target, case: Case, **overrides: Any
     # The worker runs the call while this process builds its reference (see _BESIDE_CALL_ABOVE)
     assert target.worker is not None
     target.worker.submit(_given(target, inputs))
-    paths = _Building(functools.partial(target.table.reference, whole, inputs, target.precision,
-                                        None))
+    paths = _Building(_reference_of(target, whole, inputs))
     return case, batch, inputs, target.worker.collect(), paths
 
 
@@ -563,8 +570,7 @@ def _beside_call(target: Target, batch: Batch) -> bool:
     are known, the precision is declared, and the products are large enough."""
     E = batch.E
     return (target.worker is not None and target.precision != "auto"
-            and target.kind in _REFERENCE_FIRST and target.table.complete is None
-            and E is not None and E.ndim == 2
+            and _reference_from_inputs(target) and E is not None and E.ndim == 2
             and E.shape[0] * E.shape[1] * batch.tokens.size > _BESIDE_CALL_ABOVE
             and not target.worker.outranks())
 
