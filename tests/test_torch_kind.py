@@ -284,3 +284,34 @@ def test_a_sampling_forward_excuses_micro_batches_only_where_its_draw_moves_the_
     run = _check_in(tmp_path, "sampling_model:target", "--kind", "torch")
     assert run.returncode == code, run.stdout + run.stderr
     assert finding in run.stdout, run.stdout
+
+
+def test_a_pad_token_named_in_a_composite_models_text_config_counts_and_no_other_config_does(
+        ) -> None:
+    """transformers' composite models (Gemma3, Fuyu, GOT-OCR2: a language model beside a vision
+    tower) name the pad token in ``config.text_config`` and their language model's config, not
+    on the top-level config; a sweep of transformers 5.25's causal-LM architectures found six
+    correct models flagged ``padding_idx_on_real_token`` for it.  The whole command on the
+    real model is in the transformers zoo (``gemma3-composite``); here, what counts as named:
+    the text config does, a config of another vocabulary (the vision tower's) does not."""
+    import torch
+    import transformers_zoo as zoo
+
+    from tyingspec._src.kinds.torch.adapter import _declared_padding
+
+    torch.manual_seed(0)
+    model = zoo.gemma3_composite()
+    assert model.get_input_embeddings().padding_idx == 0
+    assert getattr(model.config, "pad_token_id", None) is None  # not on the top-level config
+    assert _declared_padding(model, zoo.V) == {0}
+    # named nowhere in the language model's configs, but by the vision tower's: not this pad
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "pad_token_id", None) is not None:
+            config.pad_token_id = None
+    model.config.text_config.pad_token_id = None
+    model.config.vision_config.pad_token_id = 0
+    assert 0 not in _declared_padding(model, zoo.V)
+    # and of the language model's configs, its own alone is enough
+    model.model.language_model.config.pad_token_id = 0
+    assert _declared_padding(model, zoo.V) == {0}

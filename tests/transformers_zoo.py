@@ -153,6 +153,29 @@ gemma2 = _hf("Gemma2ForCausalLM", "Gemma2Config", **_LLAMA_LIKE, head_dim=16,
 gemma3 = _hf("Gemma3ForCausalLM", "Gemma3TextConfig", **_LLAMA_LIKE, head_dim=16,
              query_pre_attn_scalar=16, sliding_window=8, pad_token_id=0, bos_token_id=1,
              eos_token_id=2, **_TIED)
+
+
+def gemma3_composite() -> nn.Module:
+    """transformers' Gemma3ForConditionalGeneration (a language model beside a SigLIP vision
+    tower): its pad token is named in ``config.text_config`` and in the language model's own
+    config, not on the top-level config, and its lookup declares ``padding_idx`` = 0."""
+    import transformers
+
+    text = dict(**_LLAMA_LIKE, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2, **_TIED)
+    vision = dict(model_type="siglip_vision_model", hidden_size=D, intermediate_size=FF,
+                  num_hidden_layers=LAYERS, num_attention_heads=HEADS, image_size=32,
+                  patch_size=8)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, **_TIED)
+    model: nn.Module = transformers.Gemma3ForConditionalGeneration(cfg)
+    return model
+
+
+fuyu_composite = _hf("FuyuForCausalLM", "FuyuConfig", text_config=dict(
+    model_type="persimmon", vocab_size=V, hidden_size=D, intermediate_size=FF,
+    num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=CTX,
+    pad_token_id=0), vocab_size=V, hidden_size=D, patch_size=4, num_channels=3, **_TIED)
+
 mixtral = _hf("MixtralForCausalLM", "MixtralConfig", **_LLAMA_LIKE, num_local_experts=4,
               num_experts_per_tok=2, **_TIED)
 qwen2_moe = _hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **_LLAMA_LIKE, num_experts=4,
@@ -887,6 +910,10 @@ ZOO: tuple[ZooEntry, ...] = (
     _correct("gemma", "gemma", "lookup output scaled by sqrt(d)"),
     _correct("gemma2", "gemma2", "scaled lookup; logit softcapping"),
     _correct("gemma3-text", "gemma3", "scaled embedding module (Gemma3TextScaledWordEmbedding)"),
+    _correct("gemma3-composite", "gemma3_composite",
+             "Gemma3ForConditionalGeneration: the pad token named in config.text_config only"),
+    _correct("fuyu", "fuyu_composite",
+             "FuyuForCausalLM: the pad token named in config.text_config only"),
     _correct("mixtral", "mixtral", "MoE experts"),
     _correct("qwen2-moe", "qwen2_moe", "MoE experts plus shared expert"),
     _correct("phimoe", "phimoe", "sparsemixer samples its experts in train(): micro-batches "
@@ -950,4 +977,4 @@ ZOO: tuple[ZooEntry, ...] = (
 )
 
 #: The entries the default tier runs (the rest are marked slow).
-FAST = ("gpt2", "llama", "bart", "llama-untied", "gpt2-copy-tie", "phimoe")
+FAST = ("gpt2", "llama", "bart", "llama-untied", "gpt2-copy-tie", "phimoe", "gemma3-composite")

@@ -373,8 +373,38 @@ def _own_loss(build: Build, tie: Tie, t: torch.Tensor, y: torch.Tensor) -> Findi
 _PAD_KEYS = ("pad_token_id", "padding_idx", "pad_id", "pad_idx", "pad_token")
 
 
-def _declared_padding(model: nn.Module) -> set[int]:
-    sources: list[Any] = [getattr(model, "config", None), model]
+def _configs(model: nn.Module, vocab: int) -> list[Any]:
+    """The model's config, its text config, and every config of the same vocabulary that a
+    sub-config or a submodule holds.  A composite model (transformers' Gemma3, Fuyu, GOT-OCR2:
+    a language model beside a vision tower) names its pad token in ``config.text_config`` and
+    in its language model's own config, not on the top-level config (a sweep of transformers
+    5.25's causal-LM architectures found six such false alarms)."""
+    found: list[Any] = []
+
+    def add(config: Any) -> None:
+        if config is not None and not isinstance(config, (int, float, str, bool)) \
+                and all(config is not seen for seen in found):
+            found.append(config)
+
+    top = getattr(model, "config", None)
+    add(top)
+    text = getattr(top, "get_text_config", None)
+    if callable(text):
+        try:
+            add(text())
+        except Exception:  # noqa: BLE001 - a config's own helper; the others still count
+            pass
+    same_vocab = [v for v in vars(top).values() if getattr(v, "vocab_size", None) == vocab] \
+        if top is not None and hasattr(top, "__dict__") else []
+    same_vocab += [m.config for m in model.modules()
+                   if getattr(getattr(m, "config", None), "vocab_size", None) == vocab]
+    for config in same_vocab:
+        add(config)
+    return found
+
+
+def _declared_padding(model: nn.Module, vocab: int) -> set[int]:
+    sources: list[Any] = [*_configs(model, vocab), model]
     sources += [v for v in vars(model).values() if isinstance(v, dict)]
     found: set[int] = set()
     for source in sources:
@@ -395,7 +425,7 @@ def _padding_row(model: nn.Module, tie: Tie, read: frozenset[int]) -> Finding:
     pad = int(tie.padding_idx or 0)
     if pad not in read:
         return not_applicable(check, invariant, f"no lookup in this batch reads row {pad}")
-    if pad in _declared_padding(model):
+    if pad in _declared_padding(model, tie.vocab):
         return passed(check, invariant, f"row {pad} is the configured pad token")
     return failed(check, invariant, "padding_idx_on_real_token",
                   f"padding_idx={pad} skips the input path of token {pad}, which this batch "
