@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Scratch
@@ -315,3 +316,48 @@ def test_a_pad_token_named_in_a_composite_models_text_config_counts_and_no_other
     # and of the language model's configs, its own alone is enough
     model.model.language_model.config.pad_token_id = 0
     assert _declared_padding(model, zoo.V) == {0}
+
+
+def _positions_model(shift: int, error: type[Exception]) -> Any:
+    """A tied model whose learned position table counts from its padding_idx (0) + 1, as
+    RoBERTa's does, and reads ``shift`` positions further (ProphetNet's predicting stream reads
+    one further): a longer sequence raises ``error``."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(11, 8)
+            self.pos_emb = nn.Embedding(16, 8, padding_idx=0)
+
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> Any:
+            T = idx.shape[1]
+            if T + shift >= self.pos_emb.num_embeddings:  # positions 1 + shift .. T + shift
+                raise error("index out of range in self")
+            x = self.wte(idx) + self.pos_emb(torch.arange(T) + 1 + shift)
+            logits = x @ self.wte.weight.T
+            return logits, F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+
+    return Shifted()
+
+
+@pytest.mark.parametrize(("shift", "error", "expected"), [
+    (0, IndexError, 15),  # RoBERTa's rule: 16 - (0 + 1) positions
+    (1, IndexError, 14),  # one further: a position fewer
+    (2, IndexError, 13),
+    (1, ValueError, 15),  # not an index past the table: the length stays, the check reports it
+])
+def test_a_position_table_counted_from_padding_idx_fits_the_sequence_its_forward_can_index(
+        shift: int, error: type[Exception], expected: int) -> None:
+    """transformers' ProphetNetForCausalLM raised an IndexError at the length RoBERTa's rule
+    allows (exit 2 on a correct model, in a sweep of transformers 5.25's causal-LM
+    architectures; the whole command on it is in the transformers zoo): the check's sequence
+    is the longest its forward can index, found a position at a time."""
+    from tyingspec._src.kinds.torch.discover import describe
+    from tyingspec._src.kinds.torch.target import TorchTarget
+
+    model = _positions_model(shift, error)
+    tie, _ = describe("shifted", model, TorchTarget(model=lambda: model))
+    assert (tie.embedding, tie.seq_len) == ("wte.weight", expected)

@@ -176,6 +176,11 @@ fuyu_composite = _hf("FuyuForCausalLM", "FuyuConfig", text_config=dict(
     num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=CTX,
     pad_token_id=0), vocab_size=V, hidden_size=D, patch_size=4, num_channels=3, **_TIED)
 
+prophetnet = _hf("ProphetNetForCausalLM", "ProphetNetConfig", vocab_size=V, hidden_size=D,
+                 num_encoder_layers=1, num_decoder_layers=LAYERS, num_encoder_attention_heads=HEADS,
+                 num_decoder_attention_heads=HEADS, encoder_ffn_dim=FF, decoder_ffn_dim=FF,
+                 max_position_embeddings=CTX, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 decoder_start_token_id=0, **_TIED)
 mixtral = _hf("MixtralForCausalLM", "MixtralConfig", **_LLAMA_LIKE, num_local_experts=4,
               num_experts_per_tok=2, **_TIED)
 qwen2_moe = _hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **_LLAMA_LIKE, num_experts=4,
@@ -914,6 +919,9 @@ ZOO: tuple[ZooEntry, ...] = (
              "Gemma3ForConditionalGeneration: the pad token named in config.text_config only"),
     _correct("fuyu", "fuyu_composite",
              "FuyuForCausalLM: the pad token named in config.text_config only"),
+    _correct("prophetnet", "prophetnet",
+             "ProphetNetForCausalLM: positions from padding_idx + 1, its predicting stream one "
+             "further, so the longest sequence is a position short of RoBERTa's rule"),
     _correct("mixtral", "mixtral", "MoE experts"),
     _correct("qwen2-moe", "qwen2_moe", "MoE experts plus shared expert"),
     _correct("phimoe", "phimoe", "sparsemixer samples its experts in train(): micro-batches "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -268,12 +268,43 @@ def describe(spec: str, model: nn.Module, target: TorchTarget) -> tuple[Tie, Fin
     V, d = int(weight.shape[0]), int(weight.shape[1])
     pad = getattr(owner(model, emb), "padding_idx", None)
     conv, param, keyword = convention(model, target)
-    return Tie(emb, head, V, d, None if pad is None else int(pad), conv,
-               max(1, target.batch_size), seq_len(model, target, emb), how,
-               targets_param=param, targets_keyword=keyword,
-               no_cache=_accepts(model, "use_cache"),
-               scale_grad_by_freq=bool(getattr(owner(model, emb), "scale_grad_by_freq",
-                                               False))), finding
+    tie = Tie(emb, head, V, d, None if pad is None else int(pad), conv,
+              max(1, target.batch_size), seq_len(model, target, emb), how,
+              targets_param=param, targets_keyword=keyword,
+              no_cache=_accepts(model, "use_cache"),
+              scale_grad_by_freq=bool(getattr(owner(model, emb), "scale_grad_by_freq",
+                                              False)))
+    return replace(tie, seq_len=_fitting_seq_len(model, target, tie)), finding
+
+
+#: Positions :func:`_fitting_seq_len` gives up, one at a time, before it leaves the length as
+#: it was (and the check reports the forward's error as it would have).
+_FIT_STEPS = 4
+
+
+def _fitting_seq_len(model: nn.Module, target: TorchTarget, tie: Tie) -> int:
+    """``tie.seq_len``, or fewer positions where a position table that counts from its
+    ``padding_idx`` holds fewer than that rule allows.  RoBERTa reads positions padding_idx + 1
+    on, which :func:`_position_tables` allows for; transformers' ProphetNet reads one more (its
+    predicting stream is at position + 1), so its forward raises an IndexError at the last
+    length the rule allows (a sweep of transformers 5.25's causal-LM architectures: exit 2 on a
+    correct model).  Only models with such a table pay a forward here (without gradients), and
+    only an IndexError makes the length shorter: any other error is the check's to report."""
+    if target.seq_len or not any(m.padding_idx is not None for m in _position_modules(
+            model, tie.embedding)):
+        return tie.seq_len
+    run = loss_function(target, tie)
+    for n in range(tie.seq_len, max(1, tie.seq_len - _FIT_STEPS), -1):
+        ids = torch.arange(n).reshape(1, -1) % tie.vocab
+        try:
+            with torch.no_grad():
+                run(model, ids, ids)
+        except IndexError:
+            continue
+        except Exception:  # noqa: BLE001 - not a length the model cannot index: reported later
+            return tie.seq_len
+        return n
+    return tie.seq_len
 
 
 def _tie_by_uses(model: nn.Module, target: TorchTarget) -> str | None:
@@ -318,15 +349,20 @@ def _context(model: nn.Module) -> int | None:
     return None
 
 
-def _position_tables(model: nn.Module, embedding: str) -> list[int]:
-    """The sizes of the model's learned position tables (an Embedding named like one): a
-    sequence longer than the shortest would index past it."""
+def _position_modules(model: nn.Module, embedding: str) -> list[nn.Embedding]:
+    """The model's learned position tables: an Embedding named like one, not the tied one."""
     tied = embedding.rpartition(".")[0]
-    # RoBERTa counts positions from padding_idx + 1: its table holds that many fewer
-    return [int(m.num_embeddings) - (0 if m.padding_idx is None else int(m.padding_idx) + 1)
-            for name, m in model.named_modules()
+    return [m for name, m in model.named_modules()
             if isinstance(m, nn.Embedding) and name != tied and
             ("pos" in name.lower() or name.rpartition(".")[2] == "wpe")]
+
+
+def _position_tables(model: nn.Module, embedding: str) -> list[int]:
+    """The sizes of the model's learned position tables: a sequence longer than the shortest
+    would index past it."""
+    # RoBERTa counts positions from padding_idx + 1: its table holds that many fewer
+    return [int(m.num_embeddings) - (0 if m.padding_idx is None else int(m.padding_idx) + 1)
+            for m in _position_modules(model, embedding)]
 
 
 def seq_len(model: nn.Module, target: TorchTarget, embedding: str = "") -> int:
