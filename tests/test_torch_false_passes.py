@@ -360,3 +360,49 @@ DETACHED_GPT2 = '''
 def test_a_detached_lookup_in_a_transformers_gpt2(tmp_path: Path) -> None:
     rep = check(tmp_path, "fp_detached_gpt2", DETACHED_GPT2)
     assert_wrong(rep, "input_path_missing")
+
+
+# --- a pattern of rows that the tie's sum does not explain -----------------------------------
+
+DILUTED_UPSTREAM = '''
+    class Diluted(torch.autograd.Function):
+        """The identity forward; the backward divides each position's gradient by how often its
+        token occurs in the batch: the gradient reaching the lookup is wrong, and most wrong
+        on repeated tokens, while the tie sums every use it receives."""
+
+        @staticmethod
+        def forward(ctx, x, idx):
+            ctx.save_for_backward(idx)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            (idx,) = ctx.saved_tensors
+            counts = torch.bincount(idx.reshape(-1), minlength=V)[idx]
+            return g / counts.unsqueeze(-1).to(g.dtype), None
+
+
+    class DilutedUpstream(TinyGPT):
+        def embed(self, idx):
+            return Diluted.apply(self.wte(idx), idx)
+
+
+    def make_model():
+        return DilutedUpstream()
+'''
+
+
+def test_rows_of_repeated_tokens_that_each_sum_their_uses_exactly_are_not_named_duplicates(
+        tmp_path: Path) -> None:
+    """The forward check finds exactly the rows of repeated tokens wrong, the pattern of
+    duplicates_not_accumulated; but every row is exactly the sum of the gradients its uses
+    received (rows: 0 wrong), so the tie summed every occurrence and the pattern does not
+    explain the rows: the label is gradient_disagrees_with_forward, with the reason (what
+    transformers' HRM, which runs part of its forward under no_grad, was mislabelled)."""
+    rep = check(tmp_path, "fp_diluted_upstream", DILUTED_UPSTREAM, only="one-token-repeated")
+    assert_wrong(rep, "gradient_disagrees_with_forward")
+    (result,) = rep.results
+    assert result.diagnosis is not None
+    assert result.diagnosis.rows_label == "correct", summary(rep)
+    assert "duplicates_not_accumulated" in failed_checks(rep)["gradient against the forward"]
+    assert "the tie summed every use" in result.diagnosis.detail, summary(rep)

@@ -41,6 +41,7 @@ from tyingspec._src.core import memory, threads
 from tyingspec._src.core.adapters import AdapterError, Returned
 from tyingspec._src.core.cases import PROBE_CASES, Batch, Case, at_shape, build, sgd_step
 from tyingspec._src.core.diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
+from tyingspec._src.core.findings import Finding
 from tyingspec._src.core.paths import Paths, closed_form_paths
 from tyingspec._src.core.tolerance import (
     LOWER,
@@ -405,9 +406,32 @@ def _with_findings(diag: Diagnosis, returned: Returned) -> Diagnosis:
             f"{diag.detail}; the forward check has that power (it fails the gradient without "
             "its input path) and agrees"))
     if first is not None:
-        diag = replace(diag, label=first.label or "unknown",
-                       detail=f"{first.check}: {first.detail}")
+        label, detail = first.label or "unknown", f"{first.check}: {first.detail}"
+        if _summed_exactly(first, diag, returned):
+            label = "gradient_disagrees_with_forward"
+            detail += ("; yet every row is exactly the sum of the gradients its uses received, "
+                       "so the tie summed every use: what disagrees with the forward is the "
+                       "gradient reaching the uses (a no_grad, detach or hand-written backward "
+                       "inside the model), not how the tie adds them")
+        diag = replace(diag, label=label, detail=detail)
     return replace(diag, findings=returned.findings, rows_label=rows_label)
+
+
+#: Labels the forward check gives from where its wrong rows sit in the batch alone: each says
+#: the tie summed its uses wrongly (see ``kinds.torch.adapter._pattern``).
+_HOW_THE_TIE_SUMS = ("duplicates_not_accumulated", "input_path_wrong")
+
+
+def _summed_exactly(first: Finding, diag: Diagnosis, returned: Returned) -> bool:
+    """Whether ``first``, a forward check whose wrong rows sit where a mis-summed tie would put
+    them (the rows of repeated tokens, of every present token), failed on a call whose every
+    row is exactly the sum of its observed uses' gradients: then the tie summed every use, the
+    pattern does not explain the rows, and what disagrees with the forward is the gradient
+    reaching the uses (transformers' HRM runs part of its forward under no_grad on purpose,
+    and its repeated tokens carry the most of that: they were named
+    duplicates_not_accumulated, in a sweep of transformers 5.25's causal-LM architectures)."""
+    return first.check == "gradient against the forward" and first.label in _HOW_THE_TIE_SUMS \
+        and diag.label == "correct" and returned.evidence.get("observed_by") == "uses"
 
 
 def own_case(target: Target, case: Case) -> Case:
