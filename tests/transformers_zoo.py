@@ -181,6 +181,26 @@ prophetnet = _hf("ProphetNetForCausalLM", "ProphetNetConfig", vocab_size=V, hidd
                  num_decoder_attention_heads=HEADS, encoder_ffn_dim=FF, decoder_ffn_dim=FF,
                  max_position_embeddings=CTX, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                  decoder_start_token_id=0, **_TIED)
+def minicpm5_moe() -> nn.Module:
+    """transformers' MiniCPM5MoeForCausalLM, which runs in float32 only (its grouped expert
+    matmul has no float64 kernel).  It seeds its own initialisation, unlike the rest of the
+    zoo: at this one, the forward check's larger steps switch experts along one direction of
+    the repeated-tokens case (no row confirms it), which a sweep of transformers 5.25's
+    causal-LM architectures saw as a false alarm."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MiniCPM5MoeConfig(
+        **{**_LLAMA_LIKE, "max_position_embeddings": 2 * CTX}, head_dim=16,
+        moe_intermediate_size=16, num_experts_per_tok=2, n_shared_experts=1,
+        n_routed_experts=4, routed_scaling_factor=3.66, n_group=1, topk_group=1,
+        norm_topk_prob=True, mlp_layer_types=["dense", "sparse"], pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, **_TIED)
+    torch.manual_seed(0)
+    model: nn.Module = transformers.MiniCPM5MoeForCausalLM(cfg)
+    return model
+
+
 mixtral = _hf("MixtralForCausalLM", "MixtralConfig", **_LLAMA_LIKE, num_local_experts=4,
               num_experts_per_tok=2, **_TIED)
 qwen2_moe = _hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **_LLAMA_LIKE, num_experts=4,
@@ -922,6 +942,9 @@ ZOO: tuple[ZooEntry, ...] = (
     _correct("prophetnet", "prophetnet",
              "ProphetNetForCausalLM: positions from padding_idx + 1, its predicting stream one "
              "further, so the longest sequence is a position short of RoBERTa's rule"),
+    _correct("minicpm5-moe", "minicpm5_moe",
+             "MoE experts, float32 only (no float64 grouped matmul): the forward check's "
+             "larger steps switch experts, and a direction across a switch is left out"),
     _correct("mixtral", "mixtral", "MoE experts"),
     _correct("qwen2-moe", "qwen2_moe", "MoE experts plus shared expert"),
     _correct("phimoe", "phimoe", "sparsemixer samples its experts in train(): micro-batches "

@@ -639,9 +639,12 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
         power = fails_without(loss_along, own, input_path, seed=seed, rows=rows,
                               max_evaluations=budget, e_scale=e_scale, unit=unit,
                               grad_rtol=grad_rtol)
+        kinked = (f"; {found.kinked} disagreeing direction(s) left out: the loss is not "
+                  "smooth along them within the step (a kink, such as a router switching "
+                  "experts), and no row confirmed them") if found.kinked else ""
         return passed(check, invariant, f"{found.evaluations} forward evaluations, {at}"
-                      + ("; it fails the gradient without its input path" if power else ""),
-                      found.evaluations, power)
+                      + ("; it fails the gradient without its input path" if power else "")
+                      + kinked, found.evaluations, power)
     label, why = _pattern(list(found.wrong_rows), reads, tie, input_reached)
     return failed(check, invariant, label,
                   f"rows {list(found.wrong_rows)[:16]} disagree with the forward{why} "
