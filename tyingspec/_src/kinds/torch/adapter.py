@@ -43,8 +43,10 @@ from tyingspec._src.kinds.torch.discover import (
     Tie,
     as_target,
     build_model,
+    declared_ints,
     describe,
     loss_function,
+    model_sources,
     owner,
 )
 from tyingspec._src.kinds.torch.target import TorchTarget
@@ -404,15 +406,7 @@ def _configs(model: nn.Module, vocab: int) -> list[Any]:
 
 
 def _declared_padding(model: nn.Module, vocab: int) -> set[int]:
-    sources: list[Any] = [*_configs(model, vocab), model]
-    sources += [v for v in vars(model).values() if isinstance(v, dict)]
-    found: set[int] = set()
-    for source in sources:
-        for key in _PAD_KEYS:
-            value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                found.add(value)
-    return found
+    return set(declared_ints(model_sources(model, _configs(model, vocab)), _PAD_KEYS))
 
 
 def _padding_row(model: nn.Module, tie: Tie, read: frozenset[int]) -> Finding:

@@ -7,7 +7,7 @@ the model it inspects.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -337,16 +337,25 @@ _CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "block_size", "n_ctx"
                  "context_length", "max_seq_len", "max_seq_length", "seq_len", "ctx_len")
 
 
-def _context(model: nn.Module) -> int | None:
-    sources: list[Any] = [getattr(model, "config", None), model]
-    # a config dict held by the model (LLMs-from-scratch keeps ``cfg`` as a plain dict)
-    sources += [v for v in vars(model).values() if isinstance(v, dict)]
+def model_sources(model: nn.Module, configs: Sequence[Any]) -> list[Any]:
+    """Where a model says what it is: ``configs``, the model itself, and the config dicts it
+    holds (LLMs-from-scratch keeps ``cfg`` as a plain dict)."""
+    return [*configs, model, *(v for v in vars(model).values() if isinstance(v, dict))]
+
+
+def declared_ints(sources: Sequence[Any], keys: Sequence[str]) -> Iterator[int]:
+    """The integers ``sources`` (objects or dicts) hold under ``keys``, source by source and
+    key by key (a bool is no integer here)."""
     for source in sources:
-        for key in _CONTEXT_KEYS:
+        for key in keys:
             value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-                return value
-    return None
+            if isinstance(value, int) and not isinstance(value, bool):
+                yield value
+
+
+def _context(model: nn.Module) -> int | None:
+    sources = model_sources(model, [getattr(model, "config", None)])
+    return next((v for v in declared_ints(sources, _CONTEXT_KEYS) if v > 1), None)
 
 
 def _position_modules(model: nn.Module, embedding: str) -> list[nn.Embedding]:
