@@ -17,6 +17,7 @@ from tyingspec._src.core.localize import (
     BudgetExceeded,
     Localization,
     NonFiniteLoss,
+    _Failed,
     _Tester,
     localize,
 )
@@ -349,5 +350,5 @@ def test_the_loss_along_a_direction_is_smooth_within_the_step_only_without_a_kin
     tester.start(rows)
     D = np.random.default_rng(3).standard_normal((16, 4))
     lam = max(1.0, abs(tester.l0))
-    smooth = [tester.smooth_along(rows, D, t, lam) for t in (1e-3, 1e-2, 1e-1)]
+    smooth = [tester.smooth_along(_Failed(rows, D, t, 2.0, lam)) for t in (1e-3, 1e-2, 1e-1)]
     assert smooth == [shape == "smooth"] * 3, smooth

@@ -174,6 +174,18 @@ class BudgetExceeded(RuntimeError):
 
 
 @dataclass(frozen=True)
+class _Failed:
+    """A directional test that disagreed: where, along what, at what step, by how much, and
+    the size of the loss's terms there (``Lambda``, what its rounding is counted from)."""
+
+    rows: NDArray[np.intp]
+    D: NDArray[np.float64]
+    t: float
+    ratio: float
+    lam: float
+
+
+@dataclass(frozen=True)
 class _Verdict:
     agrees: bool
     ratio: float
@@ -200,8 +212,7 @@ class _Tester:
         self.probes = 0
         self.worst = 0.0
         self.worst_agreeing = 0.0
-        # failing tests: their rows, direction, step, ratio and the loss's scale (Lambda)
-        self.failed: list[tuple[NDArray[np.intp], NDArray[np.float64], float, float, float]] = []
+        self.failed: list[_Failed] = []
         self.found: list[int] = []
         self.pending = 0
         self.l0 = 0.0
@@ -302,12 +313,11 @@ class _Tester:
         if verdict.agrees:
             self.worst_agreeing = max(self.worst_agreeing, verdict.ratio)
         else:
-            self.failed.append((rows, D, t, verdict.ratio, lam))
+            self.failed.append(_Failed(rows, D, t, verdict.ratio, lam))
         return verdict
 
-    def smooth_along(self, rows: NDArray[np.intp], D: NDArray[np.float64], t: float,
-                     lam: float) -> bool:
-        """Whether the loss along ``D`` on ``rows`` is, over ``[-t, t]``, a polynomial of
+    def smooth_along(self, test: _Failed) -> bool:
+        """Whether the loss along ``test.D`` on its rows is, over ``[-t, t]``, a polynomial of
         ``KINK_DEGREE`` up to ``KINK_RESIDUAL`` times its rounding.  A smooth loss is (the
         step was chosen where the stencil's fourth-order error is near the rounding, so the
         eleventh-order remainder is far below it); a kink or a jump inside the step is not,
@@ -315,10 +325,12 @@ class _Tester:
         test that failed with no row confirming it was 11.7 times its rounding from the fit,
         every test that agreed at most 1.9 times."""
         s = np.linspace(-1.0, 1.0, KINK_POINTS)
-        values = np.array([0.0 if x == 0 else self.evaluate(rows, D, float(x) * t) - self.l0
+        values = np.array([0.0 if x == 0 else
+                           self.evaluate(test.rows, test.D, float(x) * test.t) - self.l0
                            for x in s])
         fit = np.polynomial.polynomial.Polynomial.fit(s, values, KINK_DEGREE)
-        return float(np.abs(fit(s) - values).max()) <= KINK_RESIDUAL * KAPPA * self.unit * lam
+        return float(np.abs(fit(s) - values).max()) <= \
+            KINK_RESIDUAL * KAPPA * self.unit * test.lam
 
 
 def localize(loss_along: LossAlong, grad: NDArray[np.floating], *, seed: int,
@@ -375,9 +387,9 @@ def localize(loss_along: LossAlong, grad: NDArray[np.floating], *, seed: int,
         # the loss is not smooth on its step measured a kink, not the gradient, and is no
         # evidence (the reading is paid for beyond the budget, which is for the search).
         tester.max_evaluations += len(tester.failed) * (KINK_POINTS - 1)
-        kept = [f for f in tester.failed if tester.smooth_along(f[0], f[1], f[2], f[4])]
+        kept = [f for f in tester.failed if tester.smooth_along(f)]
         kinked = len(tester.failed) - len(kept)
-        worst = max([tester.worst_agreeing, *(f[3] for f in kept)])
+        worst = max([tester.worst_agreeing, *(f.ratio for f in kept)])
     return Localization(wrong_rows=tuple(sorted(tester.found)), evaluations=tester.evaluations,
                         probes=tester.probes, seed=seed, worst=worst, kinked=kinked)
 
