@@ -50,6 +50,24 @@ def test_factored_paths_equal_the_dense_ones() -> None:
     np.testing.assert_allclose(sk.out_rows(rows), dense.dE_out[rows], rtol=1e-12, atol=1e-15)
 
 
+def test_a_float32_factored_row_is_the_dense_float32_row() -> None:
+    # rows of the output path are computed as the dense reference computes them, in the
+    # factors' dtype (its rounding is what the bound counts), and handed over in float64
+    _, dense = _paths(sketch=False, dtype="float32", V=300, d=24, N=64)
+    _, sk = _paths(sketch=True, dtype="float32", V=300, d=24, N=64)
+    assert isinstance(sk.dE_out, OutputPath) and sk.dE_out.g.dtype == np.float32
+    rows = np.array([0, 7, int(sk.tokens[0]), 299])
+    got = sk.out_rows(rows)
+    assert got.dtype == np.float64
+    g, h = sk.dE_out.g.astype(np.float64), sk.dE_out.h.astype(np.float64)
+    exact = g[:, rows].T @ h
+    # each entry is a sum over N positions: float32 rounding of at most N u sum |g| |h|
+    bound = 64 * 2.0**-24 * (np.abs(g[:, rows]).T @ np.abs(h))
+    np.testing.assert_array_less(np.abs(got - exact), bound + np.finfo(np.float64).tiny)
+    np.testing.assert_array_less(np.abs(got - dense.dE_out[rows].astype(np.float64)),
+                                 2 * bound + np.finfo(np.float64).tiny)
+
+
 def test_input_path_adds_repeated_tokens_like_add_at() -> None:
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 7, size=40)

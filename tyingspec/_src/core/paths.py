@@ -89,7 +89,10 @@ class OutputPath(_Factored):
         self.dtype = np.result_type(g.dtype, h.dtype)
 
     def rows(self, rows: IntArray) -> Array:
-        out: Array = np.asarray(self.g[:, rows], np.float64).T @ np.asarray(self.h, np.float64)
+        # in the factors' own dtype, as the dense reference of a smaller shape computes every
+        # row (the bound counts the reference's rounding), then float64: the batch's exact rows
+        # at GPT-2 size in float32 took 0.10 s of a cold check's judgement, against 0.03 s
+        out: Array = np.asarray(self.g[:, rows].T @ self.h, np.float64)
         return out
 
     def block(self, start: int, stop: int) -> Array:
