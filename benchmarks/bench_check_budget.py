@@ -1,0 +1,202 @@
+"""Where the CPU seconds a cold `tyingspec check` adds to (F) go: §1's budget, part by part.
+
+    python -m benchmarks.bench_check_budget --repeats 3
+    python -m benchmarks.bench_check_budget --V 2000 --d 64 --N 256   # quick
+
+§1 asks that the check add at most 0.5 (a) to (F) in wall time (``bench_check``'s names: (a)
+one forward+backward in process, (b) the whole command, (F) a fresh process that imports the
+target, builds the batch and calls it once).  On C cores that leaves the check at most
+0.5 (a) C CPU seconds beyond (F)'s, plus what (F) leaves idle, C (F) − CPU(F) (its import runs
+on one core): the allowance.  However well its parts are packed on the cores, a check whose
+CPU seconds beyond (F) exceed the allowance cannot meet §1.
+
+Each round runs (a), (F) and (b) back to back, with their CPU seconds (user + system, of every
+process and thread), then every part of what the check adds, one after another in this process
+and nothing beside it, through the engine's own functions, each in CPU seconds:
+
+- the first call's reference at one BLAS thread, as the engine builds it beside the worker
+  (``engine.observe._Building``): its two V·d·N products, and the rest of it (the softmax, the
+  rounding bound's terms, the sketch's projections, the paths);
+- the call's E written into a shared block (``engine.isolation._write``; the second call's into
+  the same block, as the engine reuses it) and its dE into a fresh result block in the worker
+  (``_write_result``), for the first call and the second;
+- the first judgement, the SGD step, the second call (the implementation's own, in this
+  process), and the second call's reference and judgement.
+
+It prints each part (min, median and max over the rounds), their sum, (b) − (F) as measured, the
+difference (what no part accounts for when both processes share the cores: the worker's threads
+waiting on each other beside this process's work, caches and pages cold in a fresh process, the
+exits), and the allowance.  The parts run warm, in a process that has run them before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python benchmarks/bench_check_budget.py` as well as `-m`
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.bench_check import (  # noqa: E402
+    absent_tokens_batch,
+    check_argv,
+    children_cpu,
+    floor_argv,
+    forward_backward,
+    run_cli,
+    timed,
+    timed_process,
+)
+from tyingspec._src.core import paths, threads  # noqa: E402
+from tyingspec._src.core.adapters import Returned  # noqa: E402
+from tyingspec._src.core.cases import Batch, sgd_step  # noqa: E402
+from tyingspec._src.core.tolerance import Precision  # noqa: E402
+from tyingspec._src.engine import isolation  # noqa: E402
+from tyingspec._src.engine.observe import SECOND_CALL_POSITIONS, judge  # noqa: E402
+from tyingspec._src.kinds.table import KINDS  # noqa: E402
+
+PRECISION: Precision = "float32"
+
+
+def cpu_of(f: Callable[[], Any]) -> tuple[float, Any]:
+    """The CPU seconds of this process (all its threads) spent in ``f()``, and what it returned."""
+    c0 = time.process_time()
+    out = f()
+    return time.process_time() - c0, out
+
+
+def staged(a: np.ndarray, block: Any = None) -> Any:
+    """``a`` written into a new populated shared block, as the parent stages a call's input,
+    or into ``block``, a block of its size from an earlier call (the engine reuses it)."""
+    block = isolation._create(a.nbytes) if block is None else block
+    isolation._write(a, block)
+    return block
+
+
+def written_back(a: np.ndarray) -> None:
+    """``a`` written into a fresh result block, as the worker returns a large dE."""
+    block = isolation._create(a.nbytes, populate=False)
+    try:
+        isolation._write_result(a, block)
+    finally:
+        isolation._release([block], unlink=True)
+
+
+def returned(out: Any) -> Returned:
+    """What the engine makes of ``tied_f32``'s answer, for the judgement."""
+    return Returned(dE=np.asarray(out["dE"]), mutated=(), precision=PRECISION,
+                    loss=float(out["loss"]), dW=np.asarray(out["dW"]),
+                    db=None if out["db"] is None else np.asarray(out["db"]))
+
+
+def parts(batch: Batch) -> dict[str, float]:
+    """Every part of what the check adds to (F), one after another, in CPU seconds."""
+    table = KINDS["model"]
+    inputs = table.inputs(batch)
+    t, y = paths.flatten_batch(batch.tokens, batch.targets)
+    x = np.float32(batch.s_in) * batch.E[t]
+    h = np.float32(batch.res) * x + np.tanh(x @ batch.W)
+    cpu: dict[str, float] = {}
+    with threads.blas_on_one_core():
+        first, g = cpu_of(lambda: paths._times_rows_T(h, batch.E))
+        second, _ = cpu_of(functools.partial(paths._times_rows, g, batch.E))
+        del g  # the reference below makes its own
+        whole, ref = cpu_of(lambda: table.reference(batch, inputs, PRECISION, None))
+    cpu["reference: its two products, one thread"] = first + second
+    cpu["reference: the rest (softmax, bound terms, projections)"] = whole - first - second
+    cpu["E written into a new shared block"], block = cpu_of(lambda: staged(batch.E))
+    ans = returned(forward_backward(batch)())  # the first call: (F) has it
+    cpu["dE written into a result block (worker)"], _ = cpu_of(lambda: written_back(ans.dE))
+    cpu["the first judgement"], _ = cpu_of(lambda: judge(ans, ref, PRECISION))
+    cpu["the SGD step"], moved = cpu_of(lambda: sgd_step(batch, ans.dE))
+    assert moved is not None
+    stepped = moved[0]
+    keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
+    short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
+    cpu["E after the step written into that block"], _ = cpu_of(
+        lambda: staged(short.E, block))
+    isolation._release([block], unlink=True)
+    cpu["the second call (the implementation's own)"], out2 = cpu_of(forward_backward(short))
+    ans2 = returned(out2)
+    cpu["its dE written into a result block (worker)"], _ = cpu_of(
+        lambda: written_back(ans2.dE))
+    cpu["its reference and judgement"], _ = cpu_of(lambda: judge(
+        ans2, table.reference(short, table.inputs(short), PRECISION, None), PRECISION))
+    return cpu
+
+
+def spread(xs: Sequence[float]) -> str:
+    return f"{min(xs):6.2f} {statistics.median(xs):6.2f} {max(xs):6.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--V", type=int, default=50257)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--N", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    shape = (a.V, a.d, a.N)
+    cores = threads.cores()
+    batch = absent_tokens_batch(shape, 0)
+    fb = forward_backward(batch)
+    fb()  # warm-up, as bench_check's (a)
+    parts(batch)  # and the parts: every round times them warm
+    wall: dict[str, list[float]] = {"a": [], "F": [], "b": []}
+    cpu: dict[str, list[float]] = {"a": [], "F": [], "b": []}
+    got: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        argv_b = check_argv("tied_f32", shape, "absent-tokens", PRECISION, Path(tmp) / "b.json")
+        processes: list[tuple[str, Callable[[], float]]] = [
+            ("F", lambda: timed_process(floor_argv(shape))),
+            ("b", lambda: run_cli(argv_b).seconds)]
+        for _ in range(a.repeats):
+            c0 = time.process_time()
+            wall["a"].append(timed(fb))
+            cpu["a"].append(time.process_time() - c0)
+            for name, run in processes:
+                c0 = children_cpu()
+                wall[name].append(run())
+                cpu[name].append(children_cpu() - c0)
+            for k, seconds in parts(batch).items():
+                got.setdefault(k, []).append(seconds)
+    V, d, N = shape
+    print(f"== §1's CPU budget at V={V} d={d} N={N}, {PRECISION}, {a.repeats} rounds, "
+          f"{cores} cores")
+    print(f"{'CPU s: min median max':>22}  part of what the check adds (in this process, alone)")
+    for k, v in got.items():
+        print(f"{spread(v):>22}  {k}")
+    med = {k: statistics.median(v) for k, v in got.items()}
+    total = sum(med.values())
+    must = med["reference: its two products, one thread"] + \
+        med["the second call (the implementation's own)"]
+    added = [b - f for b, f in zip(cpu["b"], cpu["F"])]
+    idle = [cores * w - c for w, c in zip(wall["F"], cpu["F"])]
+    allowed = [0.5 * w * cores + i for w, i in zip(wall["a"], idle)]
+    print(f"{total:22.2f}  the parts, summed (medians); of it the two products and the second "
+          f"call, which any check makes: {must:.2f}")
+    print(f"{spread(added):>22}  (b) - (F) measured, round by round (wall time: (b) "
+          f"{spread(wall['b']).split()[1]} s, (F) {spread(wall['F']).split()[1]} s, medians)")
+    print(f"{statistics.median(added) - total:22.2f}  in (b) - (F) but in no part "
+          "(two processes on the cores, cold caches and pages, the exits): median")
+    print(f"{spread(allowed):>22}  what §1's 0.5x allows: 0.5 (a) x {cores} cores + what (F) "
+          f"leaves idle ({spread(idle)}), round by round")
+    beyond = [x - al for x, al in zip(added, allowed)]
+    print(f"{spread(beyond):>22}  (b) - (F) beyond that allowance, round by round: above 0 no "
+          "ordering of the check's work on the cores can meet §1")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
