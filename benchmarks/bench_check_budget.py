@@ -17,9 +17,9 @@ and nothing beside it, through the engine's own functions, each in CPU seconds:
 - the first call's reference at one BLAS thread, as the engine builds it beside the worker
   (``engine.observe._Building``): its two V·d·N products, and the rest of it (the softmax, the
   rounding bound's terms, the sketch's projections, the paths);
-- the call's E written into a shared block (``engine.isolation._write``; the second call's into
-  the same block, as the engine reuses it) and its dE into a fresh result block in the worker
-  (``_write_result``), for the first call and the second;
+- the call's E written into a shared block as the engine writes it (``Worker._written``: a new
+  block for the first call, the same block for the second) and its dE into a fresh result
+  block in the worker (``engine.isolation._write_result``), for the first call and the second;
 - the first judgement, the SGD step, the second call (the implementation's own, in this
   process), and the second call's reference and judgement.
 
@@ -76,12 +76,10 @@ def cpu_of(f: Callable[[], Any]) -> tuple[float, Any]:
     return time.process_time() - c0, out
 
 
-def staged(a: np.ndarray, block: Any = None) -> Any:
-    """``a`` written into a new populated shared block, as the parent stages a call's input,
-    or into ``block``, a block of its size from an earlier call (the engine reuses it)."""
-    block = isolation._create(a.nbytes) if block is None else block
-    isolation._write(a, block)
-    return block
+def staged(worker: isolation.Worker, E: np.ndarray) -> None:
+    """A call's ``E`` written into a shared block as ``worker`` writes a call's large inputs
+    (``Worker._written``; nothing is started): a new block, or its pool's block of that size."""
+    worker._written({"E": E})
 
 
 def written_back(a: np.ndarray) -> None:
@@ -115,7 +113,8 @@ def parts(batch: Batch) -> dict[str, float]:
         whole, ref = cpu_of(lambda: table.reference(batch, inputs, PRECISION, None))
     cpu["reference: its two products, one thread"] = first + second
     cpu["reference: the rest (softmax, bound terms, projections)"] = whole - first - second
-    cpu["E written into a new shared block"], block = cpu_of(lambda: staged(batch.E))
+    pool = isolation.Worker("budget:none", "model")  # its pool only: no process
+    cpu["E written into a new shared block"], _ = cpu_of(lambda: staged(pool, batch.E))
     ans = returned(forward_backward(batch)())  # the first call: (F) has it
     cpu["dE written into a result block (worker)"], _ = cpu_of(lambda: written_back(ans.dE))
     cpu["the first judgement"], _ = cpu_of(lambda: judge(ans, ref, PRECISION))
@@ -124,9 +123,8 @@ def parts(batch: Batch) -> dict[str, float]:
     stepped = moved[0]
     keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
     short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
-    cpu["E after the step written into that block"], _ = cpu_of(
-        lambda: staged(short.E, block))
-    isolation._release([block], unlink=True)
+    cpu["E after the step written into that block"], _ = cpu_of(lambda: staged(pool, short.E))
+    isolation._release(pool._pool, unlink=True)
     cpu["the second call (the implementation's own)"], out2 = cpu_of(forward_backward(short))
     ans2 = returned(out2)
     cpu["its dE written into a result block (worker)"], _ = cpu_of(
