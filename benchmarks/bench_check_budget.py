@@ -18,8 +18,9 @@ and nothing beside it, through the engine's own functions, each in CPU seconds:
   (``engine.observe._Building``): its two V·d·N products, and the rest of it (the softmax, the
   rounding bound's terms, the sketch's projections, the paths);
 - the call's E written into a shared block as the engine writes it (``Worker._written``: a new
-  block for the first call, the same block for the second) and its dE into a fresh result
-  block in the worker (``engine.isolation._write_result``), for the first call and the second;
+  block for the first call, the same block for the second), compared with that block after the
+  call (``_written_over``: a write into an input is found there), and its dE written into a
+  fresh result block in the worker (``engine.isolation._write_result``), for both calls;
 - the first judgement, the SGD step, the second call (the implementation's own, in this
   process), and the second call's reference and judgement.
 
@@ -76,10 +77,16 @@ def cpu_of(f: Callable[[], Any]) -> tuple[float, Any]:
     return time.process_time() - c0, out
 
 
-def staged(worker: isolation.Worker, E: np.ndarray) -> None:
+def staged(worker: isolation.Worker, E: np.ndarray) -> dict[str, Any]:
     """A call's ``E`` written into a shared block as ``worker`` writes a call's large inputs
-    (``Worker._written``; nothing is started): a new block, or its pool's block of that size."""
-    worker._written({"E": E})
+    (``Worker._written``; nothing is started): a new block, or its pool's block of that size.
+    Returns the blocks written, for the comparison after the call."""
+    return worker._written({"E": E})[1]
+
+
+def compared(E: np.ndarray, written: dict[str, Any]) -> None:
+    """``E`` compared with its block after the call, as ``Worker.collect`` finds a write."""
+    assert not isolation._written_over({"E": E}, written)
 
 
 def written_back(a: np.ndarray) -> None:
@@ -114,7 +121,9 @@ def parts(batch: Batch) -> dict[str, float]:
     cpu["reference: its two products, one thread"] = first + second
     cpu["reference: the rest (softmax, bound terms, projections)"] = whole - first - second
     pool = isolation.Worker("budget:none", "model")  # its pool only: no process
-    cpu["E written into a new shared block"], _ = cpu_of(lambda: staged(pool, batch.E))
+    cpu["E written into a new shared block"], written = cpu_of(lambda: staged(pool, batch.E))
+    cpu["E compared with its block after the call"], _ = cpu_of(
+        lambda: compared(batch.E, written))
     ans = returned(forward_backward(batch)())  # the first call: (F) has it
     cpu["dE written into a result block (worker)"], _ = cpu_of(lambda: written_back(ans.dE))
     cpu["the first judgement"], _ = cpu_of(lambda: judge(ans, ref, PRECISION))
@@ -123,7 +132,10 @@ def parts(batch: Batch) -> dict[str, float]:
     stepped = moved[0]
     keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
     short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
-    cpu["E after the step written into that block"], _ = cpu_of(lambda: staged(pool, short.E))
+    cpu["E after the step written into that block"], written = cpu_of(
+        lambda: staged(pool, short.E))
+    cpu["E after the step compared with its block"], _ = cpu_of(
+        lambda: compared(short.E, written))
     isolation._release(pool._pool, unlink=True)
     cpu["the second call (the implementation's own)"], out2 = cpu_of(forward_backward(short))
     ans2 = returned(out2)
