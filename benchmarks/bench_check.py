@@ -43,7 +43,6 @@ check subprocess takes 5-7 s on a 2-core machine, and the whole run with ``--rep
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -62,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/bench_check.py` as well as `python -m`
     sys.path.insert(0, str(REPO))
 
-from benchmarks.launch import tyingspec_cmd  # noqa: E402
+from benchmarks.launch import shape_parser, tyingspec_cmd  # noqa: E402
 from benchmarks.torch_probe import ADAPTERS, tied_f32  # noqa: E402
 from tyingspec import build, standard_cases  # noqa: E402
 from tyingspec._src.core import threads  # noqa: E402
@@ -435,11 +434,7 @@ def verdicts(shape: tuple[int, int, int], tmp: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--V", type=int, default=50257)
-    ap.add_argument("--d", type=int, default=768)
-    ap.add_argument("--N", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = shape_parser(__doc__)
     ap.add_argument("--seed", type=int, default=0, help="base seed of the in-process batch "
                     "(the subprocesses use tyingspec's default, 0)")
     ap.add_argument("--skip-timing", action="store_true")

@@ -32,7 +32,6 @@ exits), and the allowance.  The parts run warm, in a process that has run them b
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -59,6 +58,7 @@ from benchmarks.bench_check import (  # noqa: E402
     timed,
     timed_process,
 )
+from benchmarks.launch import shape_parser  # noqa: E402
 from tyingspec._src.core import paths, threads  # noqa: E402
 from tyingspec._src.core.adapters import Returned  # noqa: E402
 from tyingspec._src.core.cases import Batch, sgd_step  # noqa: E402
@@ -151,12 +151,7 @@ def spread(xs: Sequence[float]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--V", type=int, default=50257)
-    ap.add_argument("--d", type=int, default=768)
-    ap.add_argument("--N", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=3)
-    a = ap.parse_args(argv)
+    a = shape_parser(__doc__).parse_args(argv)
     shape = (a.V, a.d, a.N)
     cores = threads.cores()
     batch = absent_tokens_batch(shape, 0)

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.launch import shape_parser  # noqa: E402
 from tyingspec._src.front.entry import NICE, early_target, load_numpy  # noqa: E402
 
 #: (start, seconds, name, CPU seconds of this process in it; NaN for an instant)
@@ -46,10 +47,7 @@ EVENTS: list[tuple[float, float, str, float]] = []
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--V", type=int, default=50257)
-    ap.add_argument("--d", type=int, default=768)
-    ap.add_argument("--N", type=int, default=1024)
+    ap = shape_parser(__doc__, repeats=None)
     ap.add_argument("--reference-parts", action="store_true",
                     help="also time the reference's parts (its two products, the softmax, "
                          "the bound's terms, the paths and the sketch's directions)")

@@ -18,7 +18,6 @@ It prints min/median/max of each and median(B)/median(A).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.launch import tyingspec_cmd  # noqa: E402
+from benchmarks.launch import shape_parser, tyingspec_cmd  # noqa: E402
 
 
 def one_call(shape: tuple[int, int, int]) -> object:
@@ -53,12 +52,7 @@ def spread(xs: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--V", type=int, default=50257)
-    parser.add_argument("--d", type=int, default=768)
-    parser.add_argument("--N", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = shape_parser(__doc__).parse_args(argv)
     shape = (args.V, args.d, args.N)
     call = one_call(shape)
     call()  # type: ignore[operator]  # warm-up

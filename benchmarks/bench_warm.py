@@ -31,7 +31,6 @@ core with no gap, the products counted at the less of what they cost on every co
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -52,6 +51,7 @@ from benchmarks.bench_check import (  # noqa: E402
     print_floor,
     spread,
 )
+from benchmarks.launch import shape_parser  # noqa: E402
 from tyingspec import check, standard_cases  # noqa: E402
 from tyingspec._src.core import threads  # noqa: E402
 from tyingspec._src.core.cases import at_shape  # noqa: E402
@@ -78,12 +78,7 @@ def print_cpu(fa: list[float], cpu: dict[str, list[float]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--V", type=int, default=50257)
-    ap.add_argument("--d", type=int, default=768)
-    ap.add_argument("--N", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=5)
-    a = ap.parse_args(argv)
+    a = shape_parser(__doc__, repeats=5).parse_args(argv)
     shape = (a.V, a.d, a.N)
     cases, _ = at_shape(standard_cases(0), *shape)
     case = replace(next(c for c in cases if c.name == "absent-tokens"), dtype="float32")

@@ -1,7 +1,10 @@
-"""How the benchmarks run the ``tyingspec`` command: as a user of this interpreter does."""
+"""How the benchmarks run the ``tyingspec`` command (as a user of this interpreter does), and
+the arguments they share.  Nothing here loads numpy: ``bench_check_timeline`` starts the
+command's worker before it does."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -19,3 +22,16 @@ def tyingspec_cmd() -> list[str]:
         return [str(beside)]
     exe = shutil.which("tyingspec")
     return [exe] if exe else [sys.executable, "-m", "tyingspec"]
+
+
+def shape_parser(doc: str | None, repeats: int | None = 3) -> argparse.ArgumentParser:
+    """The arguments every GPT-2-size benchmark takes: the shape ``--V --d --N`` (GPT-2's by
+    default) and, unless ``repeats`` is None, ``--repeats`` rounds (that many by default); the
+    description is the first line of the benchmark's docstring ``doc``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    ap.add_argument("--V", type=int, default=50257)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--N", type=int, default=1024)
+    if repeats is not None:
+        ap.add_argument("--repeats", type=int, default=repeats)
+    return ap
