@@ -281,20 +281,24 @@ def test_a_result_written_through_the_block_descriptor_comes_back_bit_for_bit(
     assert a.tobytes() == before.tobytes()  # the array written is left as it was
 
 
-def test_a_large_input_crosses_bit_for_bit_into_a_new_block_and_a_reused_one() -> None:
-    # A call's large input goes into a new block through its descriptor, as results do,
-    # and into the pool's block of its size on the next call; the worker reads each block as
-    # the array, and the parent compares the block with the input after the call.
+def test_a_large_input_crosses_bit_for_bit_into_new_blocks_and_a_reused_one() -> None:
+    # A call's large input goes into a new block (through its descriptor, as results do, when
+    # it is laid out in C order; else populated and copied) or into the pool's block of its
+    # size; the worker reads each block as the array, and the parent compares the block with
+    # the input after the call.
     import tyingspec._src.engine.isolation as iso
 
     worker = iso.Worker("budget:none", "model")  # only its pool: nothing is started
     rng = np.random.default_rng(5)
-    first = rng.standard_normal((1000, 1200)).astype(np.float32)[:, ::2]  # not contiguous
-    second = rng.standard_normal((1000, 600)).astype(np.float32)  # 2.4 MB: shared
+    inputs = [rng.standard_normal((1000, 600)).astype(np.float32),  # 2.4 MB: shared, new
+              rng.standard_normal((1000, 1200)).astype(np.float32)[:, ::2],  # same size: reused
+              rng.standard_normal((900, 1200)).astype(np.float32)[:, ::2]]  # strided, new
+    names = []
     try:
-        for a in (first, second):
+        for a in inputs:
             before = a.copy()
             message, written = worker._written({"E": a, "s_in": 1.0})
+            names.append(written["E"].name)
             assert message["s_in"] == 1.0 and set(written) == {"E"}
             shared = message["E"]
             assert isinstance(shared, iso._Shared)
@@ -302,7 +306,8 @@ def test_a_large_input_crosses_bit_for_bit_into_a_new_block_and_a_reused_one() -
             assert iso._in_block(a, written["E"]).tobytes() == a.tobytes()
             assert iso._written_over({"E": a}, written) == set()
             assert a.tobytes() == before.tobytes()
-        assert len(worker._pool) == 1  # the second call's input went into the first's block
+            assert worker._pool == [written["E"]]  # one block, the last call's
+        assert names[1] == names[0] != names[2]  # reused at the same size only
     finally:
         iso._release(worker._pool, unlink=True)
 
