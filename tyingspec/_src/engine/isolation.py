@@ -456,16 +456,17 @@ def _write_result(a: Any, block: Any) -> _Shared:
     descriptor: the kernel fills each new page with the bytes as it allocates it, where
     populating the mapping first zeroes every page and the copy then writes it again (a
     GPT-2-size dE in benchmarks/bench_warm_timeline.py: 0.053-0.067 s a call against
-    0.077-0.099 s)."""
+    0.077-0.099 s; a GPT-2-size E, 0.057 CPU seconds against 0.098).  An array not laid out
+    in C order is populated and copied: its bytes in order would be a whole copy first."""
     import numpy as np
 
     from tyingspec._src.core import memory
 
     fd = getattr(block, "_fd", -1)
-    if not hasattr(os, "pwrite") or fd < 0:
+    if not hasattr(os, "pwrite") or fd < 0 or not a.flags.c_contiguous:
         memory.populate(block, write=True)
         return _write(a, block)
-    raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data  # a memoryview
+    raw = a.reshape(-1).view(np.uint8).data  # a memoryview
     done = 0
     while done < raw.nbytes:
         wrote = os.pwrite(fd, raw[done:done + _PWRITE_BYTES], done)
@@ -1097,14 +1098,11 @@ class Worker:
                 continue
             block = next((b for b in free if b.size == v.nbytes), None)
             if block is None:
-                # a new block filled through its descriptor, as a result is: a GPT-2-size E
-                # took 0.057 CPU seconds against 0.098 populated first, and the comparison
-                # after the call, which then faults this process's mapping in, 0.010 more.
-                # Not an array laid out otherwise: its bytes in order would be a copy first.
-                fill = bool(v.flags.c_contiguous)
-                block = _create(v.nbytes, populate=not fill)
+                # filled as a result is (the comparison after the call then faults this
+                # process's mapping in: 0.010 CPU seconds more for a GPT-2-size E)
+                block = _create(v.nbytes, populate=False)
                 _BLOCKS.add(block.name)
-                message[k] = _write_result(v, block) if fill else _write(v, block)
+                message[k] = _write_result(v, block)
             else:
                 free.remove(block)
                 message[k] = _write(v, block)
