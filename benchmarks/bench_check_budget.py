@@ -192,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{total:22.2f}  the parts, summed (medians); of it the two products and the second "
           f"call, which any check makes: {must:.2f}")
     print(f"{spread(added):>22}  (b) - (F) measured, round by round (wall time: (b) "
-          f"{spread(wall['b']).split()[1]} s, (F) {spread(wall['F']).split()[1]} s, medians)")
+          f"{statistics.median(wall['b']):.2f} s, (F) {statistics.median(wall['F']):.2f} s, "
+          "medians)")
     print(f"{statistics.median(added) - total:22.2f}  in (b) - (F) but in no part "
           "(two processes on the cores, cold caches and pages, the exits): median")
     print(f"{spread(allowed):>22}  what §1's 0.5x allows: 0.5 (a) x {cores} cores + what (F) "
