@@ -54,6 +54,7 @@ from benchmarks.bench_check import (  # noqa: E402
     children_cpu,
     floor_argv,
     forward_backward,
+    ran,
     run_cli,
     timed,
     timed_process,
@@ -165,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv_b = check_argv("tied_f32", shape, "absent-tokens", PRECISION, Path(tmp) / "b.json")
         processes: list[tuple[str, Callable[[], float]]] = [
             ("F", lambda: timed_process(floor_argv(shape))),
-            ("b", lambda: run_cli(argv_b).seconds)]
+            ("b", lambda: ran(run_cli(argv_b), 0).seconds)]
         for _ in range(a.repeats):
             c0 = time.process_time()
             wall["a"].append(timed(fb))
