@@ -24,21 +24,26 @@ and nothing beside it, through the engine's own functions, each in CPU seconds:
 - the first judgement, the SGD step, the second call (the implementation's own, in this
   process), and the second call's reference and judgement.
 
-It prints each part (min, median and max over the rounds), their sum, (b) − (F) as measured, the
+It prints each part (min, median and max over the rounds, with the median of its system
+seconds and minor page faults: on a VM each fresh page is a fault and a zeroing in the kernel),
+their sum, (b) − (F) as measured, the
 difference (what no part accounts for when both processes share the cores: the worker's threads
 waiting on each other beside this process's work, caches and pages cold in a fresh process, the
-exits), and the allowance.  The parts run warm, in a process that has run them before.
+exits), and the allowance.  Last, the whole processes (a), (F) and (b) the same way: what (b)
+uses beyond (F) in system seconds and faults is mostly the worker's (``perf record -e
+page-faults`` on one check: 92% of its faults are the worker's), so mostly the implementation's
+own second call.  The parts run warm, in a process that has run them before.
 """
 
 from __future__ import annotations
 
 import functools
+import resource
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +56,6 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_check import (  # noqa: E402
     absent_tokens_batch,
     check_argv,
-    children_cpu,
     floor_argv,
     forward_backward,
     ran,
@@ -71,11 +75,35 @@ from tyingspec._src.kinds.table import KINDS  # noqa: E402
 PRECISION: Precision = "float32"
 
 
-def cpu_of(f: Callable[[], Any]) -> tuple[float, Any]:
-    """The CPU seconds of this process (all its threads) spent in ``f()``, and what it returned."""
-    c0 = time.process_time()
+@dataclass(frozen=True)
+class Use:
+    """CPU seconds (user + system, every thread), of them the system's, and minor page faults:
+    on a VM a fresh page costs a fault and a zeroing in the kernel, so where a part's arrays
+    come from shows in the last two."""
+
+    cpu: float
+    system: float
+    faults: float
+
+    def __sub__(self, other: Use) -> Use:
+        return Use(self.cpu - other.cpu, self.system - other.system, self.faults - other.faults)
+
+    def __add__(self, other: Use) -> Use:
+        return Use(self.cpu + other.cpu, self.system + other.system, self.faults + other.faults)
+
+
+def usage(who: int = resource.RUSAGE_SELF) -> Use:
+    """This process's use so far, or (``RUSAGE_CHILDREN``) that of every process it has
+    started and waited for, and theirs in turn (a check's worker is reaped by the check)."""
+    r = resource.getrusage(who)
+    return Use(r.ru_utime + r.ru_stime, r.ru_stime, r.ru_minflt)
+
+
+def cpu_of(f: Callable[[], Any]) -> tuple[Use, Any]:
+    """What this process (all its threads) used in ``f()``, and what it returned."""
+    u0 = usage()
     out = f()
-    return time.process_time() - c0, out
+    return usage() - u0, out
 
 
 def staged(worker: isolation.Worker, E: np.ndarray) -> dict[str, Any]:
@@ -106,45 +134,49 @@ def returned(out: Any) -> Returned:
                     db=None if out["db"] is None else np.asarray(out["db"]))
 
 
-def parts(batch: Batch) -> dict[str, float]:
-    """Every part of what the check adds to (F), one after another, in CPU seconds."""
+def parts(batch: Batch) -> dict[str, Use]:
+    """Every part of what the check adds to (F), one after another, and what each used."""
     table = KINDS["model"]
     inputs = table.inputs(batch)
     t, y = paths.flatten_batch(batch.tokens, batch.targets)
     x = np.float32(batch.s_in) * batch.E[t]
     h = np.float32(batch.res) * x + np.tanh(x @ batch.W)
-    cpu: dict[str, float] = {}
+    used: dict[str, Use] = {}
     with threads.blas_on_one_core():
         first, g = cpu_of(lambda: paths._times_rows_T(h, batch.E))
         second, _ = cpu_of(functools.partial(paths._times_rows, g, batch.E))
         del g  # the reference below makes its own
         whole, ref = cpu_of(lambda: table.reference(batch, inputs, PRECISION, None))
-    cpu["reference: its two products, one thread"] = first + second
-    cpu["reference: the rest (softmax, bound terms, projections)"] = whole - first - second
+    used["reference: its two products, one thread"] = first + second
+    used["reference: the rest (softmax, bound terms, projections)"] = whole - first - second
     pool = isolation.Worker("budget:none", "model")  # its pool only: no process
-    cpu["E written into a new shared block"], written = cpu_of(lambda: staged(pool, batch.E))
-    cpu["E compared with its block after the call"], _ = cpu_of(
+    used["E written into a new shared block"], written = cpu_of(lambda: staged(pool, batch.E))
+    used["E compared with its block after the call"], _ = cpu_of(
         lambda: compared(batch.E, written))
     ans = returned(forward_backward(batch)())  # the first call: (F) has it
-    cpu["dE written into a result block (worker)"], _ = cpu_of(lambda: written_back(ans.dE))
-    cpu["the first judgement"], _ = cpu_of(lambda: judge(ans, ref, PRECISION))
-    cpu["the SGD step"], moved = cpu_of(lambda: sgd_step(batch, ans.dE))
+    used["dE written into a result block (worker)"], _ = cpu_of(lambda: written_back(ans.dE))
+    used["the first judgement"], _ = cpu_of(lambda: judge(ans, ref, PRECISION))
+    used["the SGD step"], moved = cpu_of(lambda: sgd_step(batch, ans.dE))
     assert moved is not None
     stepped = moved[0]
     keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
     short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
-    cpu["E after the step written into that block"], written = cpu_of(
+    used["E after the step written into that block"], written = cpu_of(
         lambda: staged(pool, short.E))
-    cpu["E after the step compared with its block"], _ = cpu_of(
+    used["E after the step compared with its block"], _ = cpu_of(
         lambda: compared(short.E, written))
     isolation._release(pool._pool, unlink=True)
-    cpu["the second call (the implementation's own)"], out2 = cpu_of(forward_backward(short))
+    used["the second call (the implementation's own)"], out2 = cpu_of(forward_backward(short))
     ans2 = returned(out2)
-    cpu["its dE written into a result block (worker)"], _ = cpu_of(
+    used["its dE written into a result block (worker)"], _ = cpu_of(
         lambda: written_back(ans2.dE))
-    cpu["its reference and judgement"], _ = cpu_of(lambda: judge(
+    used["its reference and judgement"], _ = cpu_of(lambda: judge(
         ans2, table.reference(short, table.inputs(short), PRECISION, None), PRECISION))
-    return cpu
+    return used
+
+
+def median_of(uses: Sequence[Use], field: str) -> float:
+    return float(statistics.median(getattr(u, field) for u in uses))
 
 
 def spread(xs: Sequence[float]) -> str:
@@ -160,48 +192,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     fb()  # warm-up, as bench_check's (a)
     parts(batch)  # and the parts: every round times them warm
     wall: dict[str, list[float]] = {"a": [], "F": [], "b": []}
-    cpu: dict[str, list[float]] = {"a": [], "F": [], "b": []}
-    got: dict[str, list[float]] = {}
+    use: dict[str, list[Use]] = {"a": [], "F": [], "b": []}
+    got: dict[str, list[Use]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         argv_b = check_argv("tied_f32", shape, "absent-tokens", PRECISION, Path(tmp) / "b.json")
         processes: list[tuple[str, Callable[[], float]]] = [
             ("F", lambda: timed_process(floor_argv(shape))),
             ("b", lambda: ran(run_cli(argv_b), 0).seconds)]
         for _ in range(a.repeats):
-            c0 = time.process_time()
+            u0 = usage()
             wall["a"].append(timed(fb))
-            cpu["a"].append(time.process_time() - c0)
+            use["a"].append(usage() - u0)
             for name, run in processes:
-                c0 = children_cpu()
+                u0 = usage(resource.RUSAGE_CHILDREN)
                 wall[name].append(run())
-                cpu[name].append(children_cpu() - c0)
-            for k, seconds in parts(batch).items():
-                got.setdefault(k, []).append(seconds)
+                use[name].append(usage(resource.RUSAGE_CHILDREN) - u0)
+            for k, used in parts(batch).items():
+                got.setdefault(k, []).append(used)
     V, d, N = shape
     print(f"== §1's CPU budget at V={V} d={d} N={N}, {PRECISION}, {a.repeats} rounds, "
           f"{cores} cores")
-    print(f"{'CPU s: min median max':>22}  part of what the check adds (in this process, alone)")
+    print(f"{'CPU s: min median max':>22}  {'system s':>8}  {'faults':>7}  part of what the "
+          "check adds (in this process, alone; system seconds and minor faults: medians)")
     for k, v in got.items():
-        print(f"{spread(v):>22}  {k}")
-    med = {k: statistics.median(v) for k, v in got.items()}
+        print(f"{spread([u.cpu for u in v]):>22}  {median_of(v, 'system'):8.2f}  "
+              f"{median_of(v, 'faults'):7.0f}  {k}")
+    med = {k: statistics.median(u.cpu for u in v) for k, v in got.items()}
     total = sum(med.values())
     must = med["reference: its two products, one thread"] + \
         med["the second call (the implementation's own)"]
-    added = [b - f for b, f in zip(cpu["b"], cpu["F"])]
-    idle = [cores * w - c for w, c in zip(wall["F"], cpu["F"])]
+    added = [b - f for b, f in zip(use["b"], use["F"])]
+    idle = [cores * w - u.cpu for w, u in zip(wall["F"], use["F"])]
     allowed = [0.5 * w * cores + i for w, i in zip(wall["a"], idle)]
     print(f"{total:22.2f}  the parts, summed (medians); of it the two products and the second "
           f"call, which any check makes: {must:.2f}")
-    print(f"{spread(added):>22}  (b) - (F) measured, round by round (wall time: (b) "
-          f"{statistics.median(wall['b']):.2f} s, (F) {statistics.median(wall['F']):.2f} s, "
+    print(f"{spread([u.cpu for u in added]):>22}  {median_of(added, 'system'):8.2f}  "
+          f"{median_of(added, 'faults'):7.0f}  (b) - (F) measured, round by round (wall time: "
+          f"(b) {statistics.median(wall['b']):.2f} s, (F) {statistics.median(wall['F']):.2f} s, "
           "medians)")
-    print(f"{statistics.median(added) - total:22.2f}  in (b) - (F) but in no part "
-          "(two processes on the cores, cold caches and pages, the exits): median")
+    print(f"{statistics.median(u.cpu for u in added) - total:22.2f}  in (b) - (F) but in no "
+          "part (two processes on the cores, cold caches and pages, the exits): median")
     print(f"{spread(allowed):>22}  what §1's 0.5x allows: 0.5 (a) x {cores} cores + what (F) "
           f"leaves idle ({spread(idle)}), round by round")
-    beyond = [x - al for x, al in zip(added, allowed)]
+    added_cpu = [u.cpu for u in added]
+    beyond = [x - al for x, al in zip(added_cpu, allowed)]
     print(f"{spread(beyond):>22}  (b) - (F) beyond that allowance, round by round: above 0 no "
           "ordering of the check's work on the cores can meet §1")
+    print("whole processes (medians):")
+    for name, what in (("a", "one forward+backward, in this process"),
+                       ("F", "a fresh process: import the target, build the batch, one call"),
+                       ("b", "the whole check (this process and its worker)")):
+        print(f"{statistics.median(u.cpu for u in use[name]):22.2f}  "
+              f"{median_of(use[name], 'system'):8.2f}  {median_of(use[name], 'faults'):7.0f}  "
+              f"({name}) {what}")
     return 0
 
 
