@@ -221,6 +221,31 @@ deepseek_v3 = _hf("DeepseekV3ForCausalLM", "DeepseekV3Config", **_LLAMA_LIKE,
                   num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                   kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                   v_head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, **_TIED)
+# Added 2026-12-05 after a sweep of transformers 5.25's causal LMs outside this zoo (each checked
+# correct by `tyingspec check --kind torch` first): multiplier, soft-capping and hybrid
+# conventions the entries above do not have.
+gpt_bigcode = _hf("GPTBigCodeForCausalLM", "GPTBigCodeConfig", vocab_size=V, n_positions=CTX,
+                  n_embd=D, n_layer=LAYERS, n_head=HEADS, multi_query=True, **_TIED)
+lfm2 = _hf("Lfm2ForCausalLM", "Lfm2Config", **_LLAMA_LIKE,
+           layer_types=["conv", "full_attention"], **_TIED)
+falcon_h1 = _hf("FalconH1ForCausalLM", "FalconH1Config", **_LLAMA_LIKE, head_dim=16,
+                mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
+                mamba_chunk_size=16, embedding_multiplier=2.5, lm_head_multiplier=0.75,
+                **_TIED)
+hyperclovax = _hf("HyperCLOVAXForCausalLM", "HyperCLOVAXConfig", **_LLAMA_LIKE,
+                  embedding_multiplier=2.0, logits_scaling=0.5, **_TIED)
+nanochat = _hf("NanoChatForCausalLM", "NanoChatConfig", **_LLAMA_LIKE,
+               final_logit_softcapping=15.0, **_TIED)
+vaultgemma = _hf("VaultGemmaForCausalLM", "VaultGemmaConfig", **_LLAMA_LIKE, head_dim=16,
+                 pad_token_id=0, **_TIED)
+llama4_text = _hf("Llama4ForCausalLM", "Llama4TextConfig", **_LLAMA_LIKE, head_dim=16,
+                  intermediate_size_mlp=FF, num_local_experts=4, num_experts_per_tok=1,
+                  **_TIED)
+glm4_moe = _hf("Glm4MoeForCausalLM", "Glm4MoeConfig", **_LLAMA_LIKE, head_dim=16,
+               moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
+               num_experts_per_tok=2, first_k_dense_replace=1, **_TIED)
+bitnet = _hf("BitNetForCausalLM", "BitNetConfig", **_LLAMA_LIKE, **_TIED)
+diffllama = _hf("DiffLlamaForCausalLM", "DiffLlamaConfig", **_LLAMA_LIKE, **_TIED)
 mamba = _hf("MambaForCausalLM", "MambaConfig", vocab_size=V, hidden_size=D, state_size=8,
             num_hidden_layers=LAYERS, expand=2, conv_kernel=4, pad_token_id=0, bos_token_id=1,
             eos_token_id=2, **_TIED)
@@ -861,6 +886,12 @@ t5_copy_tie = _copy_tie(t5)
 opt_input_detached = _input_detached(opt)
 opt_duplicates_lost = _duplicates_lost(opt)
 opt_copy_tie = _copy_tie(opt)
+falcon_h1_input_detached = _input_detached(falcon_h1)
+falcon_h1_duplicates_lost = _duplicates_lost(falcon_h1)
+falcon_h1_copy_tie = _copy_tie(falcon_h1)
+hyperclovax_input_detached = _input_detached(hyperclovax)
+hyperclovax_duplicates_lost = _duplicates_lost(hyperclovax)
+hyperclovax_copy_tie = _copy_tie(hyperclovax)
 
 
 # --- the registry ------------------------------------------------------------------------------
@@ -885,6 +916,8 @@ def _untied(name: str, factory: str, notes: str = "", *, masked_lm: bool = False
 _BROKEN_LABELS = {"input_detached": ("input_path_missing", "input_path_wrong"),
                   "duplicates_lost": ("duplicates_not_accumulated",),
                   "copy_tie": ("tie_is_a_copy",)}
+#: The bugs each broken architecture is built with; a broken factory is ``<arch>_<bug>``.
+BUGS = tuple(_BROKEN_LABELS)
 _BROKEN_NOTES = {"input_detached": "every lookup of the tied matrix returns a detached value",
                  "duplicates_lost": "lookup backward uses index_copy_ (one occurrence kept)",
                  "copy_tie": "head holds nn.Parameter(embedding.weight.clone())"}
@@ -954,6 +987,17 @@ ZOO: tuple[ZooEntry, ...] = (
     _correct("granitemoe", "granitemoe", "MoE experts; logit and embedding multipliers"),
     _correct("gpt-oss", "gpt_oss", "MoE experts; attention sinks"),
     _correct("deepseek-v3", "deepseek_v3", "MLA attention; MoE after the first layer"),
+    _correct("gpt-bigcode", "gpt_bigcode", "multi-query attention; tied by default"),
+    _correct("lfm2", "lfm2", "short-convolution and attention layers"),
+    _correct("falcon-h1", "falcon_h1", "Mamba-2 and attention in parallel; embedding_multiplier "
+             "2.5, lm_head_multiplier 0.75"),
+    _correct("hyperclovax", "hyperclovax", "embedding_multiplier 2 and logits_scaling 0.5"),
+    _correct("nanochat", "nanochat", "final logit soft-capping at 15"),
+    _correct("vaultgemma", "vaultgemma", "scaled lookup; attention and final logit soft-capping"),
+    _correct("llama4-text", "llama4_text", "chunked attention; MoE in every layer"),
+    _correct("glm4-moe", "glm4_moe", "routed and shared experts after the first layer"),
+    _correct("bitnet", "bitnet", "BitNet's quantised linear layers"),
+    _correct("diffllama", "diffllama", "differential attention"),
     _correct("mamba", "mamba", "head returns .float() logits"),
     _correct("mamba2", "mamba2", "head returns .float() logits"),
     _correct("falcon-mamba", "falcon_mamba", "head returns .float() logits"),
@@ -1003,8 +1047,8 @@ ZOO: tuple[ZooEntry, ...] = (
     _correct("scratch-return-embeddings", "return_embeddings_flag",
              "forward(self, x, return_embeddings=False, mask=None) -> logits"),
     *(_broken(arch, bug, encoder_decoder=arch in ("bart", "t5"))
-      for arch in ("gpt2", "llama", "gemma", "bart", "t5", "opt")
-      for bug in ("input_detached", "duplicates_lost", "copy_tie")),
+      for arch in ("gpt2", "llama", "gemma", "bart", "t5", "opt", "falcon_h1", "hyperclovax")
+      for bug in BUGS),
 )
 
 #: The entries the default tier runs (the rest are marked slow).
