@@ -352,3 +352,19 @@ def test_the_loss_along_a_direction_is_smooth_within_the_step_only_without_a_kin
     lam = max(1.0, abs(tester.l0))
     smooth = [tester.smooth_along(_Failed(rows, D, t, 2.0, lam)) for t in (1e-3, 1e-2, 1e-1)]
     assert smooth == [shape == "smooth"] * 3, smooth
+
+
+def test_a_spent_budget_has_rows_to_show_when_every_row_is_wrong() -> None:
+    """The search goes depth first: stopped by its budget on a gradient wrong on every row, it
+    has confirmed the rows it went down to (breadth first it would have tested every level of
+    split sets, and confirmed none, before any single row)."""
+    p = probe(64, 4, 8, seed=4)
+    paths = p.paths()
+    claimed = paths.dE_in  # the output path dropped: every row of dE is wrong
+    wrong = set(np.flatnonzero(np.abs(claimed - paths.dE).max(axis=1) > 0).tolist())
+    assert len(wrong) == 64
+    with pytest.raises(BudgetExceeded) as info:
+        localize(p.loss_along, claimed, seed=0, max_evaluations=400)
+    assert len(info.value.found) >= 3
+    assert set(info.value.found) <= wrong
+    assert info.value.unresolved > 0
