@@ -342,8 +342,8 @@ def localize(loss_along: LossAlong, grad: NDArray[np.floating], *, seed: int,
     except on ``rows`` (an int array), which hold ``D`` [len(rows), d]; the caller restores E
     afterwards.  Starting from ``rows`` (default: every row), each set is tested with a fresh
     seeded Gaussian direction; a set that agrees is cleared, one that disagrees is split in
-    halves (depth first) until single rows remain, which are re-tested once before being reported (the
-    starting set is cleared only by two agreeing directions).  Set
+    halves (depth first) until single rows remain, which are re-tested once before being
+    reported (the starting set is cleared only by two agreeing directions).  Set
     ``e_scale`` to the typical magnitude of E's entries and ``loss_scale`` to the size of the
     terms the loss is computed from when that exceeds 1 and the loss itself (see the module
     docstring for the tolerance).  ``unit`` is the unit roundoff the loss is really
