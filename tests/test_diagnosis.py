@@ -135,3 +135,25 @@ def test_a_path_scaled_by_k_is_named_with_its_factor_despite_k_times_its_roundin
     assert o.diagnosis.label == "path_scaled", o.diagnosis.headline()
     assert o.diagnosis.scales is not None
     np.testing.assert_allclose(o.diagnosis.scales, (1.0, 16.0), rtol=1e-9, atol=1e-12)
+
+
+def test_forward_pattern_names_exact_patterns_only_from_a_finished_search() -> None:
+    """``forward_pattern``: the torch and jax kinds' names for rows found wrong by the forward
+    alone.  A search its budget stopped has confirmed only the rows it went down to first, so
+    no pattern of "exactly these rows" is named from them; a missing input path is, since
+    autograd shows it."""
+    from tyingspec._src.core.diagnosis import forward_pattern
+
+    tokens = np.array([3, 5, 3, 9, 5, 7])  # present {3, 5, 7, 9}, repeated {3, 5}
+    V = 16
+    assert forward_pattern([3, 5, 7, 9], tokens, V)[0] == "input_path_wrong"
+    assert forward_pattern([3, 5], tokens, V)[0] == "duplicates_not_accumulated"
+    assert forward_pattern([0], tokens, V, padding_idx=0)[0] == "padding_row_masked"
+    assert forward_pattern([3, 12], tokens, V)[0] == "gradient_disagrees_with_forward"
+    assert forward_pattern([], tokens, V)[0] == "gradient_disagrees_with_forward"
+    for rows, pad in (([3, 5, 7, 9], None), ([3, 5], None), ([0], 0)):
+        assert forward_pattern(rows, tokens, V, padding_idx=pad,
+                               partial=True)[0] == "gradient_disagrees_with_forward"
+    for partial in (False, True):
+        assert forward_pattern([3, 9], tokens, V, input_reached=False,
+                               partial=partial)[0] == "input_path_missing"

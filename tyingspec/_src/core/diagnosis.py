@@ -739,3 +739,41 @@ def diagnose(
 
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def forward_pattern(wrong: Sequence[int], tokens: np.ndarray, V: int, *,
+                    padding_idx: int | None = None, input_reached: bool = True,
+                    partial: bool = False) -> tuple[Label, str]:
+    """Name rows found wrong by the forward alone (``core.localize``: no reference, the
+    torch and jax kinds' gradient against the forward) from where they sit in the batch: the
+    catalogue's patterns (the rows of repeated tokens, every present row, the padding row),
+    and the detail that says why.  ``input_reached``: whether autograd shows the lookup
+    reaching E at all.  ``partial``: the search stopped at its budget, so ``wrong`` is what
+    it confirmed first and other rows are undecided; a pattern that needs every wrong row
+    ("exactly ...") is then not named."""
+    counts = np.bincount(tokens, minlength=V)
+    present = {int(v) for v in np.flatnonzero(counts)}
+    repeated = {int(v) for v in np.flatnonzero(counts > 1)}
+    rows = set(wrong)
+    if not rows:
+        # no row confirmed: no pattern of rows to name (the empty set is a subset of every
+        # catalogue pattern, and matches none)
+        return "gradient_disagrees_with_forward", ""
+    if padding_idx is not None and rows == {padding_idx} and not partial:
+        return "padding_row_masked", (f": row {padding_idx} is padding_idx, whose output "
+                                      "path is masked too")
+    if rows <= present and not input_reached:
+        # autograd itself shows no input path (the rows found are those a dropped input path
+        # makes wrong; at low precision the smallest may stay within the forward's tolerance)
+        return "input_path_missing", (": present rows only, and the lookup never reaches E "
+                                      "through autograd")
+    if partial:
+        # the rows the search confirmed before its budget ran out are only the order it went
+        # in (depth first, the lower rows first): no pattern of "exactly" these rows (a
+        # missing input path is named above from autograd's evidence, not from the rows)
+        return "gradient_disagrees_with_forward", ""
+    if repeated and rows <= repeated:
+        return "duplicates_not_accumulated", ": exactly rows of tokens seen more than once"
+    if rows == present:
+        return "input_path_wrong", ": exactly the rows of tokens in the batch"
+    return "gradient_disagrees_with_forward", ""

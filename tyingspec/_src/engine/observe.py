@@ -418,7 +418,7 @@ def _with_findings(diag: Diagnosis, returned: Returned) -> Diagnosis:
 
 
 #: Labels the forward check gives from where its wrong rows sit in the batch alone: each says
-#: the tie summed its uses wrongly (see ``kinds.torch.adapter._pattern``).
+#: the tie summed its uses wrongly (see ``core.diagnosis.forward_pattern``).
 _HOW_THE_TIE_SUMS = ("duplicates_not_accumulated", "input_path_wrong")
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
-from tyingspec._src.core.diagnosis import Label
+from tyingspec._src.core.diagnosis import forward_pattern
 from tyingspec._src.core.findings import Finding, failed, passed, uses_unobserved
 from tyingspec._src.core.process_state import jax_state_kept
 from tyingspec._src.core.tolerance import precision_of
@@ -169,7 +169,7 @@ def _against_forward(form: Form, tie: Tie, t: Any, y: Any, own: np.ndarray, seed
         found = localize(loss_along, own, seed=seed, max_evaluations=budget, e_scale=e_scale,
                          unit=unit, grad_rtol=grad_rtol)
     except BudgetExceeded as exc:
-        label, why = _pattern(list(exc.found), reads, tie.vocab, partial=True)
+        label, why = forward_pattern(list(exc.found), reads, tie.vocab, partial=True)
         return failed(check, _AGAINST, label,
                       f"rows {list(exc.found)[:16]} (and {exc.unresolved} rows not yet "
                       f"decided) disagree with the forward{why} (stopped at the budget of "
@@ -187,23 +187,8 @@ def _against_forward(form: Form, tie: Tie, t: Any, y: Any, own: np.ndarray, seed
         return passed(check, _AGAINST, f"{found.evaluations} forward evaluations, {at}"
                       + ("; it fails the gradient without its input path" if power else ""),
                       found.evaluations, power)
-    label, why = _pattern(list(found.wrong_rows), reads, tie.vocab)
+    label, why = forward_pattern(list(found.wrong_rows), reads, tie.vocab)
     return failed(check, _AGAINST, label,
                   f"rows {list(found.wrong_rows)[:16]} disagree with the forward{why} "
                   f"({found.evaluations} forward evaluations, {at})", found.evaluations)
 
-
-def _pattern(wrong: list[int], tokens: np.ndarray, V: int, *,
-             partial: bool = False) -> tuple[Label, str]:
-    """Name rows found wrong by the forward alone from where they sit in the batch."""
-    counts = np.bincount(tokens, minlength=V)
-    present = {int(v) for v in np.flatnonzero(counts)}
-    repeated = {int(v) for v in np.flatnonzero(counts > 1)}
-    rows = set(wrong)
-    if not rows:
-        return "gradient_disagrees_with_forward", ""
-    if repeated and rows <= repeated and not partial:
-        return "duplicates_not_accumulated", ": exactly rows of tokens seen more than once"
-    if rows == present:
-        return "input_path_wrong", ": exactly the rows of tokens in the batch"
-    return "gradient_disagrees_with_forward", ""

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
-from tyingspec._src.core.diagnosis import Label
+from tyingspec._src.core.diagnosis import forward_pattern
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed, uses_unobserved
 from tyingspec._src.core.process_state import torch_state_kept
 from tyingspec._src.core.tolerance import Precision, precision_of
@@ -611,7 +611,9 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
                          e_scale=e_scale, unit=unit, grad_rtol=grad_rtol)
     except BudgetExceeded as exc:
         # many wrong rows: the rows confirmed so far, and how many are left undecided
-        label, why = _pattern(list(exc.found), reads, tie, input_reached, partial=True)
+        label, why = forward_pattern(list(exc.found), reads, tie.vocab,
+                                     padding_idx=tie.padding_idx,
+                                     input_reached=input_reached, partial=True)
         return failed(check, invariant, label,
                       f"rows {list(exc.found)[:16]} (and {exc.unresolved} rows not yet "
                       f"decided) disagree with the forward{why} (stopped at the budget of "
@@ -639,7 +641,9 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
         return passed(check, invariant, f"{found.evaluations} forward evaluations, {at}"
                       + ("; it fails the gradient without its input path" if power else "")
                       + kinked, found.evaluations, power)
-    label, why = _pattern(list(found.wrong_rows), reads, tie, input_reached)
+    label, why = forward_pattern(list(found.wrong_rows), reads, tie.vocab,
+                                 padding_idx=tie.padding_idx,
+                                 input_reached=input_reached)
     return failed(check, invariant, label,
                   f"rows {list(found.wrong_rows)[:16]} disagree with the forward{why} "
                   f"({found.evaluations} forward evaluations, {at})", found.evaluations)
@@ -654,34 +658,6 @@ def fd_budget(V: int) -> int:
     localises about five rows at any V and stops, with what it found, beyond that (a bug on
     every row needs no more rows to be named)."""
     return int(200 + 60 * np.log2(max(V, 2)))
-
-
-def _pattern(wrong: list[int], tokens: np.ndarray, tie: Tie,
-             input_reached: bool, *, partial: bool = False) -> tuple[Label, str]:
-    """Name rows found wrong by the forward alone from where they sit in the batch: the
-    catalogue's patterns (the rows of repeated tokens, every present row, the padding row)."""
-    counts = np.bincount(tokens, minlength=tie.vocab)
-    present = {int(v) for v in np.flatnonzero(counts)}
-    repeated = {int(v) for v in np.flatnonzero(counts > 1)}
-    rows = set(wrong)
-    if not rows:
-        # no row confirmed: no pattern of rows to name (the empty set is a subset of every
-        # catalogue pattern, and matches none)
-        return "gradient_disagrees_with_forward", ""
-    if tie.padding_idx is not None and rows == {tie.padding_idx}:
-        return "padding_row_masked", (f": row {tie.padding_idx} is padding_idx, whose output "
-                                      "path is masked too")
-    if rows <= present and not input_reached:
-        # autograd itself shows no input path (the rows found are those a dropped input path
-        # makes wrong; at low precision the smallest may stay within the forward's tolerance)
-        return "input_path_missing", (": present rows only, and the lookup never reaches E "
-                                      "through autograd")
-    if repeated and rows <= repeated and not partial:
-        # (a set the budget left partial is only the order the search went in: no pattern)
-        return "duplicates_not_accumulated", ": exactly rows of tokens seen more than once"
-    if rows == present:
-        return "input_path_wrong", ": exactly the rows of tokens in the batch"
-    return "gradient_disagrees_with_forward", ""
 
 
 def _close(a: np.ndarray, e: np.ndarray, count: int, unit: float = _U64) -> bool:
