@@ -43,7 +43,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/bench_check_budget.py` as we
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_check import (  # noqa: E402
+    Use,
     absent_tokens_batch,
     check_argv,
     floor_argv,
@@ -62,6 +63,7 @@ from benchmarks.bench_check import (  # noqa: E402
     run_cli,
     timed,
     timed_process,
+    usage,
 )
 from benchmarks.launch import shape_parser  # noqa: E402
 from tyingspec._src.core import paths, threads  # noqa: E402
@@ -73,30 +75,6 @@ from tyingspec._src.engine.observe import SECOND_CALL_POSITIONS, judge  # noqa: 
 from tyingspec._src.kinds.table import KINDS  # noqa: E402
 
 PRECISION: Precision = "float32"
-
-
-@dataclass(frozen=True)
-class Use:
-    """CPU seconds (user + system, every thread), of them the system's, and minor page faults:
-    on a VM a fresh page costs a fault and a zeroing in the kernel, so where a part's arrays
-    come from shows in the last two."""
-
-    cpu: float
-    system: float
-    faults: float
-
-    def __sub__(self, other: Use) -> Use:
-        return Use(self.cpu - other.cpu, self.system - other.system, self.faults - other.faults)
-
-    def __add__(self, other: Use) -> Use:
-        return Use(self.cpu + other.cpu, self.system + other.system, self.faults + other.faults)
-
-
-def usage(who: int = resource.RUSAGE_SELF) -> Use:
-    """This process's use so far, or (``RUSAGE_CHILDREN``) that of every process it has
-    started and waited for, and theirs in turn (a check's worker is reaped by the check)."""
-    r = resource.getrusage(who)
-    return Use(r.ru_utime + r.ru_stime, r.ru_stime, r.ru_minflt)
 
 
 def cpu_of(f: Callable[[], Any]) -> tuple[Use, Any]:
@@ -222,19 +200,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     must = med["reference: its two products, one thread"] + \
         med["the second call (the implementation's own)"]
     added = [b - f for b, f in zip(use["b"], use["F"])]
+    added_cpu = [u.cpu for u in added]
     idle = [cores * w - u.cpu for w, u in zip(wall["F"], use["F"])]
     allowed = [0.5 * w * cores + i for w, i in zip(wall["a"], idle)]
     print(f"{total:22.2f}  the parts, summed (medians); of it the two products and the second "
           f"call, which any check makes: {must:.2f}")
-    print(f"{spread([u.cpu for u in added]):>22}  {median_of(added, 'system'):8.2f}  "
+    print(f"{spread(added_cpu):>22}  {median_of(added, 'system'):8.2f}  "
           f"{median_of(added, 'faults'):7.0f}  (b) - (F) measured, round by round (wall time: "
           f"(b) {statistics.median(wall['b']):.2f} s, (F) {statistics.median(wall['F']):.2f} s, "
           "medians)")
-    print(f"{statistics.median(u.cpu for u in added) - total:22.2f}  in (b) - (F) but in no "
+    print(f"{statistics.median(added_cpu) - total:22.2f}  in (b) - (F) but in no "
           "part (two processes on the cores, cold caches and pages, the exits): median")
     print(f"{spread(allowed):>22}  what §1's 0.5x allows: 0.5 (a) x {cores} cores + what (F) "
           f"leaves idle ({spread(idle)}), round by round")
-    added_cpu = [u.cpu for u in added]
     beyond = [x - al for x, al in zip(added_cpu, allowed)]
     print(f"{spread(beyond):>22}  (b) - (F) beyond that allowance, round by round: above 0 no "
           "ordering of the check's work on the cores can meet §1")
