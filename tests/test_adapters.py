@@ -253,6 +253,73 @@ def test_a_large_dE_comes_back_bit_for_bit_and_its_block_is_gone(
         target.close()
 
 
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _result_fds(pid: int) -> set[str]:
+    """The result blocks (by name) the process ``pid`` holds open."""
+    import os
+
+    names = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if "/tyingspec_" in link:
+            names.add(link.split("/")[-1].split()[0])
+    return names
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the worker's /proc/PID/fd")
+def test_a_result_block_whose_dE_has_gone_takes_a_later_dE_and_never_a_live_one(
+        tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import gc
+
+    import tyingspec._src.engine.isolation as iso
+
+    (tmp_path / "writers.py").write_text(WRITERS)
+    batches = [KINDS["model"].inputs(build(Case("big", V=1024, d=256, N=16, seed=s)))
+               for s in (3, 4, 5)]
+    want = [call_model("writers:clean", _good, b).dE.tobytes() for b in batches]
+    target = load("writers:clean", "model", paths=(str(tmp_path),))
+    try:
+        worker = target.worker
+        assert worker is not None and worker._proc is not None
+        first = worker.invoke(batches[0]).dE
+        at, name = _address(first), next(iter(_result_fds(worker._proc.pid)))
+        del first
+        gc.collect()
+        assert list(worker._results) == [name]  # its dE gone: offered for the next result
+        second = worker.invoke(batches[1]).dE  # written over in place, the same mapping here
+        assert _address(second) == at and second.tobytes() == want[1]
+        assert worker._results == {}
+        third = worker.invoke(batches[2]).dE  # the second is alive: a new block
+        assert _address(third) != at and third.tobytes() == want[2]
+        assert second.tobytes() == want[1]
+        # kept within RESULTS_KEPT: the oldest are let go, and the worker closes them
+        monkeypatch.setattr(iso, "RESULTS_KEPT", 0)
+        names = _result_fds(worker._proc.pid)
+        assert len(names) == 2
+        del second, third
+        gc.collect()
+        assert len(worker._results) == 2
+        fourth = worker.invoke(batches[0]).dE
+        assert worker._results == {}  # none kept, none offered: the answer in a new block
+        assert _result_fds(worker._proc.pid).isdisjoint(names)
+        assert fourth.tobytes() == want[0]
+        del fourth
+        # a worker started again holds none of the old blocks: none is offered to it
+        kept = worker.invoke(batches[0]).dE
+        worker.stop()
+        del kept
+        gc.collect()
+        assert worker._results == {}
+    finally:
+        target.close()
+
+
 @pytest.mark.parametrize("attr,label", [("clean", "correct"), ("writes_E", "inputs_mutated")])
 def test_a_first_call_prepared_while_the_worker_loads_is_sent_the_blocks_written_then(
         tmp_path, monkeypatch, attr: str, label: str) -> None:  # type: ignore[no-untyped-def]

@@ -224,7 +224,7 @@ def test_the_tied_total_is_the_returned_dE_itself_when_nothing_else_holds_it(
 
         from tyingspec._src.core import memory
 
-        on = memory.over(mmap.mmap(-1, dE.nbytes), dE.shape, dt, write=True)
+        on = memory.leased(mmap.mmap(-1, dE.nbytes), dE.shape, dt, lambda mapping: None)
         on[...] = dE
         dE = on
         del on

@@ -144,19 +144,29 @@ def test_unshared_counts_every_other_holder() -> None:
     assert memory.unshared(a, holders=1)
 
 
-def test_an_array_on_a_mapping_of_its_own_is_unshared_too() -> None:
-    # a worker's dE taken from its block: this process's own
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_array_on_a_mapping_of_its_own_is_unshared_too(dtype: str) -> None:
+    # a worker's dE taken from its block, a large core.memory.empty: this process's own (a
+    # bfloat16 one through a view of its bytes, which nothing else holds)
     import mmap
 
-    a = memory.over(mmap.mmap(-1, 4096), (32, 32), np.float32, write=True)
+    from tyingspec._src.core.tolerance import numpy_dtype
+
+    given: list[object] = []
+    a = memory.leased(mmap.mmap(-1, 4096), (32, 32), numpy_dtype(dtype), given.append)
+    assert a.dtype == numpy_dtype(dtype) and a.shape == (32, 32)
     assert memory.unshared(a, holders=1)
     view = a[1:]
     assert not memory.unshared(a, holders=1)
     del view
-    mapping = a.base
-    assert not memory.unshared(a, holders=1)  # whoever holds the mapping can write into it
-    del mapping
     assert memory.unshared(a, holders=1)
+    base = a.base
+    assert not memory.unshared(a, holders=1)  # whoever holds its base can reach the memory
+    del base
+    assert memory.unshared(a, holders=1)
+    assert given == []
+    del a
+    assert len(given) == 1  # the mapping handed back once the array has gone
     # a mapping tyingspec did not make (a user's file, say) is never written into
     foreign = mmap.mmap(-1, 4096)
     b = np.ndarray((32, 32), np.float32, buffer=foreign)

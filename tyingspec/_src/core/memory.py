@@ -19,6 +19,7 @@ import mmap
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,10 +58,7 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         # compaction for 0.2-0.4 s an array.
         mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         populate(mapping, write=True)
-    # bytes first, then the dtype: a dtype numpy names by no type string of its own
-    # (bfloat16's is '<V2') survives a view, not an __array_interface__
-    out: np.ndarray = np.asarray(_Lease(mapping, nbytes)).view(dt).reshape(shape)
-    return out
+    return leased(mapping, shape, dt, _kept)
 
 
 #: Bytes of mappings kept, in all, for arrays to come (see :func:`empty`): a warm case at
@@ -89,47 +87,57 @@ def _pooled(nbytes: int) -> mmap.mmap | None:
         return best
 
 
+def _kept(mapping: mmap.mmap) -> None:
+    """Keep the mapping of an array of :func:`empty` that has gone, within ``POOL_BYTES``."""
+    with _POOL_LOCK:
+        if len(mapping) + sum(len(m) for m in _FREE) <= POOL_BYTES:
+            _FREE.append(mapping)
+
+
 def drop_pool() -> None:
     """Unmap every kept mapping (see ``POOL_BYTES``)."""
     with _POOL_LOCK:
         _FREE.clear()
 
 
-class _Lease:
-    """The base of an array of :func:`empty` and of every view of it: it holds the mapping
-    (and the buffer export that gives its address), and gives it back to the pool when the
-    last of them goes, which no weak reference to an array could tell (a view outlives the
-    array it was taken from)."""
+def leased(mapping: mmap.mmap, shape: tuple[int, ...], dtype: Any,
+           give_back: Callable[[mmap.mmap], None]) -> np.ndarray:
+    """The array of ``shape`` and ``dtype`` at the start of ``mapping`` (its pages already
+    in), which holds the mapping until the array and every view of it have gone; then
+    ``give_back(mapping)`` (the pool here, a worker's result blocks in ``engine.isolation``;
+    a mapping it keeps no reference to is unmapped)."""
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    if len(mapping) < nbytes:
+        raise ValueError(f"a mapping of {len(mapping)} bytes for an array of {nbytes}")
+    if dt.str[1:2] == "V":
+        # a dtype numpy names by no type string of its own (bfloat16's is '<V2'): the bytes
+        # first, then the dtype, which a view keeps and an __array_interface__ does not
+        flat = np.asarray(_Lease(mapping, (nbytes,), np.dtype(np.uint8), give_back))
+        out: np.ndarray = flat.view(dt).reshape(shape)
+        return out
+    return np.asarray(_Lease(mapping, tuple(shape), dt, give_back))
 
-    def __init__(self, mapping: mmap.mmap, nbytes: int) -> None:
+
+class _Lease:
+    """The base of an array of :func:`leased` (and so of every view of it): it holds the
+    mapping, and the buffer export that gives its address, and hands the mapping to its
+    ``give_back`` when the last array over it goes, which no weak reference to the array
+    could tell (a view outlives the array it was taken from)."""
+
+    def __init__(self, mapping: mmap.mmap, shape: tuple[int, ...], dt: np.dtype[Any],
+                 give_back: Callable[[mmap.mmap], None]) -> None:
         self._mapping = mapping
+        self._give_back = give_back
         self._bytes = np.frombuffer(mapping, dtype=np.uint8)  # the export: mapped while held
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
+        self.__array_interface__ = {"shape": shape, "typestr": dt.str, "version": 3,
                                     "data": (self._bytes.ctypes.data, False)}
 
     def __del__(self) -> None:
         try:
-            mapping, size = self._mapping, len(self._mapping)
-            with _POOL_LOCK:
-                if size + sum(len(m) for m in _FREE) <= POOL_BYTES:
-                    _FREE.append(mapping)
+            self._give_back(self._mapping)
         except Exception:  # noqa: BLE001  (interpreter shutdown: the mapping just goes)
             pass
-
-
-def over(mapping: mmap.mmap, shape: tuple[int, ...], dtype: Any, *, write: bool
-         ) -> np.ndarray:
-    """The array of ``shape`` and ``dtype`` at the start of ``mapping``, which it keeps alive;
-    its pages faulted in at once (for writing, or for reading what is there)."""
-    populate(mapping, write=write)
-    _MADE.add(mapping)
-    # the mapping itself as the array's base (not a view of a view of it): see unshared
-    return np.ndarray(shape, dtype=np.dtype(dtype), buffer=mapping)
-
-
-#: The mappings :func:`over` put an array on: this process's own (an anonymous mapping, or a
-#: worker's result block, its name unlinked when taken), never a file of the user's.
-_MADE: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
 
 
 def unshared(a: np.ndarray, holders: int) -> bool:
@@ -140,15 +148,20 @@ def unshared(a: np.ndarray, holders: int) -> bool:
     reuses its buffer" (a [V, d] copy is 2.1 GB at Llama-3's head).  Anything uncertain says
     False (a copy stays the safe answer): an array that is a view, a memory-mapped one, and
     interpreters whose counts can be lower than the references (3.14 borrows references on
-    the stack).  An array on a mapping of :func:`over`'s owns it as much, when it is the whole
-    of the mapping's array and nothing else holds the mapping."""
+    the stack).  An array of :func:`leased`'s owns its memory as much, when it is the array
+    made there (or the dtype's view of its bytes, which nothing else holds) and no view of it
+    is alive."""
     if sys.version_info >= (3, 14) or weakref.getweakrefcount(a):
         return False
     if not a.flags.owndata:
+        # each base's references: the one that has it as base, this name and getrefcount's
+        # argument
         base = a.base
-        # the mapping's references: the array's base, this name and getrefcount's argument
-        # (a WeakSet holds none)
-        if not (isinstance(base, mmap.mmap) and base in _MADE and sys.getrefcount(base) == 3):
+        if isinstance(base, np.ndarray) and isinstance(base.base, _Lease):
+            if sys.getrefcount(base) != 3:
+                return False
+            base = base.base
+        if not (isinstance(base, _Lease) and sys.getrefcount(base) == 3):
             return False
         del base
     # getrefcount counts its own argument and this function's parameter

@@ -20,7 +20,10 @@ Large arrays cross through shared memory, one copy each way.  The parent writes 
 input into a block of its own (reused from call to call); the worker hands the adapter views
 of those blocks uncopied, since they are the call's own, and after the call the parent compares
 each block with what it wrote: a write into an input is still reported, and the caller's arrays
-are never touched.  A large dE comes back in a new block that the parent takes over as it is.
+are never touched.  A large dE comes back in a block that the parent takes over as it is: a new
+one, or one whose last dE has gone here and that the parent offered for this call (a warm
+check's calls return the same [V, d] dE call after call, and a block taken again has its pages
+in, on both sides).
 
 The parent never executes what the worker sends.  User code runs in the worker and can forge
 anything the worker says (it can write to the pipe itself), and unpickling runs whatever the
@@ -72,6 +75,15 @@ __all__ = ["DEFAULT_TIMEOUT", "Worker", "install_signal_cleanup", "launch_early"
 #: Seconds the import and signature check of a target may take.
 LOAD_TIMEOUT = 120.0
 
+
+#: Bytes of result blocks whose dE has gone kept, in all, for later results (see
+#: :meth:`Worker._message`): a warm case at GPT-2 size returns two 154 MB dE, and each came
+#: back 0.04 s sooner written over a block taken before (``bench_warm_timeline``: from the
+#: call's return to its answer read here, 0.062 s against 0.103 s; the whole case, 2 runs of
+#: 10 and 12 interleaved pairs in one process, -0.01 s and -0.05 s, 6 of 10 and 6 of 12
+#: faster, within the call's own spread).  The cold command's two dE are both alive when the
+#: second comes back: it takes none again.
+RESULTS_KEPT = 1 << 30
 
 #: Arrays at least this large cross the pipe through shared memory (one copy each way) instead
 #: of being pickled (several): at V = 50257 that is most of the isolation's cost.
@@ -401,12 +413,13 @@ def _create(nbytes: int, name: str | None = None, *, populate: bool = True) -> A
     return block
 
 
-def _take(shared: _Shared) -> Any:
+def _take(shared: _Shared, give_back: Callable[[Any], None]) -> Any:
     """The array the worker left in the block ``shared.name``, made this process's own without
-    a copy: the array owns a mapping of the block, whose name is unlinked at once, so its
-    memory goes with the array.  (Copying it out instead writes a fresh [V, d] array: 0.1-0.6 s
-    of page faults at GPT-2 size on a VM, where mapping the populated block takes ~0.01 s.)
-    _Refused when the block is missing or smaller than the array said to be in it."""
+    a copy: the array holds a mapping of the block, whose name is unlinked at once, so its
+    memory goes with the array (or to ``give_back``, see ``core.memory.leased``).  (Copying it
+    out instead writes a fresh [V, d] array: 0.1-0.6 s of page faults at GPT-2 size on a VM,
+    where mapping the populated block takes ~0.01 s.)  _Refused when the block is missing or
+    smaller than the array said to be in it."""
     import mmap
     from multiprocessing import shared_memory
 
@@ -429,7 +442,19 @@ def _take(shared: _Shared) -> Any:
     finally:
         block.close()
         block.unlink()
-    return memory.over(mapping, shared.shape, dtype, write=False)
+    memory.populate(mapping, write=False)
+    return memory.leased(mapping, shared.shape, dtype, give_back)
+
+
+def _taken_again(shared: _Shared, mapping: Any, give_back: Callable[[Any], None]) -> Any:
+    """The array the worker left in a block taken before (``mapping``, this process's, its
+    pages in): see :func:`_take`."""
+    from tyingspec._src.core import memory
+
+    try:
+        return memory.leased(mapping, shared.shape, _dtype_of(shared.dtype), give_back)
+    except ValueError as exc:
+        raise _Refused(f"a result block {shared.name!r} too small: {exc}") from None
 
 
 def _in_block(a: Any, block: Any) -> Any:
@@ -627,6 +652,9 @@ def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str
     # blocks the adapter kept a view of, each with a weak reference to that view: mapped while
     # it is alive (closing a block unmaps it under any array still viewing it)
     held: list[tuple[Any, Any]] = []
+    # the result blocks this process made, by name, until the parent lets them go: one whose
+    # dE has gone there is offered for a later call's result (see Worker._message)
+    results: dict[str, Any] = {}
     try:
         while True:
             try:
@@ -638,22 +666,32 @@ def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str
             gone = [b for b, view in held if view() is None]
             held[:] = [(b, view) for b, view in held if view() is not None]
             _release(gone, unlink=False)
-            reply, block = _call(spec, fn, table, message, attached, held)
+            result, sent, offered, dropped = message
+            _release([results.pop(n) for n in dropped if n in results], unlink=False)
+            reply, block = _call(spec, fn, table, (result, sent),
+                                 {n: results[n] for n in offered if n in results},
+                                 attached, held)
+            new = block is not None and block.name not in results
             try:
                 _send(conn, spec, reply, kept=reply[2])
-            finally:
-                if block is not None:  # sent or not, it is the parent's to unlink
+            except BaseException:
+                if new:  # never the parent's: its name is unlinked there, unread
                     block.close()
+                raise
+            if new:
+                results[block.name] = block
     finally:
         _release([b for b, _ in held], unlink=False)
+        _release(results, unlink=False)
 
 
 def _call(spec: str, fn: Any, table: Any, message: tuple[str, dict[str, Any]],
-          attached: dict[str, Any], held: list[tuple[Any, Any]]
+          offered: dict[str, Any], attached: dict[str, Any], held: list[tuple[Any, Any]]
           ) -> tuple[tuple[str, Any, set[str]], Any]:
     """One call on what the parent sent (the result block's name, the inputs): the reply
     (``"ok"`` and the result, or ``"error"`` and the AdapterError; and the names of the blocks
-    whose views the adapter kept) and the block dE went into, if any."""
+    whose views the adapter kept) and the block dE went into, if any: one of the ``offered``
+    blocks of its size (written over in place: its pages are in), else a new one."""
     from tyingspec._src.core.adapters import AdapterError, PrivateInputs
 
     result, sent = message
@@ -671,7 +709,9 @@ def _call(spec: str, fn: Any, table: Any, message: tuple[str, dict[str, Any]],
         returned = table.invoke(spec, fn, inputs)
         inputs = {}
         if _large(returned.dE):
-            block = _create(returned.dE.nbytes, result, populate=False)
+            nbytes = returned.dE.nbytes
+            block = next((b for b in offered.values() if b.size == nbytes), None) or \
+                _create(nbytes, result, populate=False)
             returned = replace(returned, dE=_write_result(returned.dE, block))
         status, payload = "ok", returned
     except AdapterError as exc:
@@ -987,6 +1027,11 @@ class Worker:
     # the call in flight: its inputs, and the block of the pool each large one was written to
     _sent: tuple[Mapping[str, Any], dict[str, Any]] | None = None
     _result: str | None = None  # the name of its result block, until its answer is read
+    # result blocks taken from this worker whose dE has gone here, by name, with this process's
+    # mapping of each (oldest first): offered to the worker for the next results
+    _results: dict[str, Any] = field(default_factory=dict)
+    _offered: tuple[str, ...] = ()  # those offered for the call in flight
+    _dropped: list[str] = field(default_factory=list)  # let go here: the worker closes them
     # inputs written ahead of their call (:meth:`stage`): the inputs, the message, the blocks
     _staged: tuple[Mapping[str, Any], dict[str, Any], dict[str, Any]] | None = None
 
@@ -994,6 +1039,8 @@ class Worker:
         """Start the worker and let it import the target while this process goes on; the
         answer is :meth:`wait_loaded`'s (every call waits for it first)."""
         install_signal_cleanup()
+        self._results.clear()  # a worker's result blocks are its own; a new one holds none
+        self._offered, self._dropped = (), []
         proc, parent = _early((self.spec, self.kind, tuple(self.paths), float(self.timeout))) \
             or _start(self.spec, self.kind, self.paths, self.timeout)
         self._proc, self._conn = proc, parent
@@ -1111,10 +1158,13 @@ class Worker:
         self._pool = list(written.values())
         return message, written
 
-    def _message(self, inputs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-        """A fresh name for the call's result block, and ``inputs`` with each large array
-        written into a block of the pool (or as :meth:`stage` wrote them, for the same
-        arrays).  Which block each went into is kept for :meth:`collect`."""
+    def _message(self, inputs: Mapping[str, Any]
+                 ) -> tuple[str, dict[str, Any], tuple[str, ...], tuple[str, ...]]:
+        """A fresh name for the call's result block, ``inputs`` with each large array written
+        into a block of the pool (or as :meth:`stage` wrote them, for the same arrays), the
+        result blocks the worker may write the result into instead (see :meth:`_returned`),
+        and those it is to close.  Which block each input went into is kept for
+        :meth:`collect`."""
         staged, self._staged = self._staged, None
         if staged is not None and _same_arrays(staged[0], inputs):
             message, written = staged[1], staged[2]
@@ -1123,7 +1173,30 @@ class Worker:
         self._sent = (inputs, written)
         self._result = f"tyingspec_{secrets.token_hex(8)}"
         _BLOCKS.add(self._result)
-        return self._result, message
+        free = list(self._results.items())  # one step: a lease may add to it on any thread
+        total = sum(len(m) for _, m in free)
+        for name, mapping in free:  # the oldest go first, down to RESULTS_KEPT
+            if total <= RESULTS_KEPT:
+                break
+            del self._results[name]
+            self._dropped.append(name)
+            total -= len(mapping)
+        self._offered = tuple(self._results)
+        dropped, self._dropped = tuple(self._dropped), []
+        return self._result, message, self._offered, dropped
+
+    def _returned(self, name: str) -> Callable[[Any], None]:
+        """Where this process's mapping of the result block ``name`` goes once the dE in it
+        has gone: among the blocks offered to the worker that wrote it (not to a worker
+        started since, which does not hold it)."""
+        me, proc = weakref.ref(self), self._proc
+
+        def give_back(mapping: Any) -> None:
+            worker = me()
+            if worker is not None and worker._proc is proc and proc is not None:
+                worker._results[name] = mapping
+
+        return give_back
 
     def submit(self, inputs: Mapping[str, Any]) -> None:
         """Send one call of the target on ``inputs`` to the worker (started or restarted
@@ -1165,14 +1238,19 @@ class Worker:
                 names = changed | set(returned.mutated)
                 returned = replace(returned, mutated=tuple(k for k in inputs if k in names))
             if isinstance(returned.dE, _Shared):
-                if returned.dE.name != result:  # another block: a pool block, anyone's
+                name, offered, self._offered = returned.dE.name, self._offered, ()
+                again = self._results.pop(name, None) if name in offered else None
+                if name != result and again is None:  # another block: an input's, anyone's
                     raise self._refused("running the call", f"a result in the block "
-                                        f"{returned.dE.name!r}, not the call's {result!r}")
+                                        f"{name!r}, not the call's {result!r}")
                 try:
-                    returned = replace(returned, dE=_take(returned.dE))
+                    dE = _take(returned.dE, self._returned(name)) if again is None else \
+                        _taken_again(returned.dE, again, self._returned(name))
                 except _Refused as exc:
                     raise self._refused("running the call", str(exc)) from None
-                result = None  # taken: its name is unlinked
+                returned = replace(returned, dE=dE)
+                if again is None:
+                    result = None  # taken: its name is unlinked
         finally:
             _unlink(result)  # a block the worker made before it failed, or one not taken
             self._retire(kept)
@@ -1213,6 +1291,8 @@ class Worker:
         self._loading = self._running = None
         self._sent = self._staged = None
         result, self._result = self._result, None
+        self._results.clear()  # the worker that held them is ending
+        self._offered, self._dropped = (), []
         if conn is not None:
             try:
                 conn.send(None)
