@@ -177,8 +177,7 @@ def test_an_array_on_a_mapping_of_its_own_is_unshared_too(dtype: str) -> None:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
 def test_a_large_array_is_on_a_private_mapping_with_its_pages_in() -> None:
     # A shared anonymous mapping is shmem, whose pages cost about twice as much to populate
-    # (see core.memory.empty); a new one must also be usable at once, zeroed like np.zeros.
-    memory.drop_pool()
+    # (see core.memory.empty); the array must also be usable at once, zeroed like np.zeros.
     a = memory.empty(((memory.POPULATE_ABOVE >> 2) + 1024,), np.float32)
     start = a.__array_interface__["data"][0]
     perms = next(line.split()[1] for line in Path("/proc/self/maps").read_text().splitlines()
@@ -190,71 +189,29 @@ def test_a_large_array_is_on_a_private_mapping_with_its_pages_in() -> None:
     np.testing.assert_allclose(a[-3:], 1.5, rtol=0, atol=0)
 
 
-# --- a mapping whose arrays have gone is kept for the next array of its size ------------------
+# --- a large array's mapping goes with the last array over it -------------------------------
 
-_BIG = (memory.POPULATE_ABOVE >> 3) + 512  # float64 entries: just above the threshold
+def _mapped(address: int) -> bool:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return True
+    return False
 
 
-def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
-
-
-def test_a_mapping_is_taken_again_only_once_every_view_of_it_has_gone() -> None:
-    memory.drop_pool()
-    a = memory.empty((_BIG,), np.float64)
-    first = _address(a)
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+def test_a_large_array_is_unmapped_once_every_view_of_it_has_gone() -> None:
+    a = memory.empty(((memory.POPULATE_ABOVE >> 3) + 512,), np.float64)
+    address = int(a.__array_interface__["data"][0])
     a[:] = 2.5
     view = a[7:]
     del a
     gc.collect()
-    b = memory.empty((_BIG,), np.float64)  # the view still reads the first mapping
-    assert _address(b) != first
-    b[:] = -1.0
+    assert _mapped(address)  # the view still reads it
     np.testing.assert_array_equal(view[:5], 2.5)
     del view
-    c = memory.empty((_BIG - 64,), np.float64)  # no larger than it, at least half of it
-    assert _address(c) == first
-    c[:] = 0.5
-    np.testing.assert_array_equal(b[:5], -1.0)  # a mapping in use is never handed out twice
-    del b, c
-    memory.drop_pool()
-
-
-def test_the_pool_keeps_at_most_POOL_BYTES_and_makes_room_before_a_new_mapping(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    memory.drop_pool()
-    nbytes = 8 * _BIG
-    monkeypatch.setattr(memory, "POOL_BYTES", nbytes)
-    a, b = memory.empty((_BIG,), np.float64), memory.empty((_BIG,), np.float64)
-    del a, b
-    assert [len(m) for m in memory._FREE] == [nbytes]  # the second did not fit
-    big = memory.empty((4 * _BIG,), np.float64)  # nothing kept fits: the kept one goes first
-    assert memory._FREE == []
-    del big
-    assert memory._FREE == []  # larger than the pool: unmapped as it goes
-    monkeypatch.setattr(memory, "POOL_BYTES", 4 * nbytes)
-    big = memory.empty((4 * _BIG,), np.float64)
-    kept = _address(big)
-    del big
-    assert [len(m) for m in memory._FREE] == [4 * nbytes]
-    small = memory.empty((_BIG,), np.float64)  # a quarter of the kept one: not that one
-    assert _address(small) != kept and memory._FREE == []
-    del small
-    memory.drop_pool()
-
-
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64])
-def test_an_array_of_the_pool_has_its_shape_and_dtype(dtype: type) -> None:
-    memory.drop_pool()
-    shape = (3, 8 * _BIG // (3 * np.dtype(dtype).itemsize))
-    for _ in range(2):  # a new mapping, then the same one taken again
-        a = memory.empty(shape, dtype)
-        assert a.shape == shape and a.dtype == np.dtype(dtype) and a.flags.c_contiguous
-        assert a.flags.writeable
-        a[...] = 3
-        assert int(a[2, -1]) == 3
-        del a
-    memory.drop_pool()
+    gc.collect()
+    assert not _mapped(address)
 
 
 def test_a_fresh_dE_is_kept_without_a_copy() -> None:

@@ -6,10 +6,10 @@ makes a few such arrays (E, the reference's logits, E after the SGD step, the sh
 to and from the worker): each is made here.  Where the advice is unknown (not Linux, a kernel
 before 5.14) the pages fault in on first use, as they would anyway.
 
-A mapping whose last array has gone is kept for the next array of about its size (up to
-``POOL_BYTES`` in all): a warm check (the Python API's, the pytest plugin's) makes the same
-few arrays case after case, and a mapping taken again has its pages in already, where a new
-one costs its populating and the old one its unmapping, on the case's critical path.
+Such a mapping is unmapped when its last array goes, not kept for the next array of its
+size: kept, a warm case at GPT-2 size took 0.12-0.19 s less, but whatever this process ran
+next paid for it (one forward+backward of torch after a warm case, 1 run in 5 or 6: 0.7 s
+more of system time on the same page faults; see docs/speed.md).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import mmap
 import sys
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -43,69 +42,33 @@ def populate(mapping: Any, *, write: bool) -> None:
 
 def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """``np.empty(shape, dtype)``, its pages faulted in at once when it is large: the array
-    holds a private anonymous mapping, kept for a later array once the array and every view of
-    it have gone (see ``POOL_BYTES``)."""
+    holds a private anonymous mapping, unmapped when the array and every view of it have
+    gone."""
     dt = np.dtype(dtype)
     nbytes = math.prod(shape) * dt.itemsize
     if nbytes < POPULATE_ABOVE or not sys.platform.startswith("linux"):
         return np.empty(shape, dtype=dt)
-    mapping = _pooled(nbytes)
-    if mapping is None:
-        # Private, not mmap's default shared mapping: shared anonymous memory is shmem, whose
-        # pages cost more to populate (a warm case's three such arrays at GPT-2 size:
-        # 0.31-0.39 s shared, 0.17-0.20 s private).  Not huge pages (as numpy asks for its
-        # own): beside a worker whose allocations fragment memory, populating them stalled on
-        # compaction for 0.2-0.4 s an array.
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        populate(mapping, write=True)
-    return leased(mapping, shape, dt, _kept)
+    # Private, not mmap's default shared mapping: shared anonymous memory is shmem, whose
+    # pages cost more to populate (a warm case's three such arrays at GPT-2 size: 0.31-0.39 s
+    # shared, 0.17-0.20 s private).  Not huge pages (as numpy asks for its own): beside a
+    # worker whose allocations fragment memory, populating them stalled on compaction for
+    # 0.2-0.4 s an array.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    populate(mapping, write=True)
+    return leased(mapping, shape, dt, _unmapped)
 
 
-#: Bytes of mappings kept, in all, for arrays to come (see :func:`empty`): a warm case at
-#: GPT-2 size makes three (E, the reference's logits, E after the step: 0.5 GB), and took
-#: 0.12 s and 0.19 s less with them kept (2 runs of 8 and 10 interleaved pairs in one process
-#: on the 2-core VM of docs/speed.md, 8 of 8 and 9 of 10 faster).  A larger mapping is
-#: unmapped as it goes (at Llama-3's head E alone is 2.1 GB), and every kept one is unmapped
-#: before a new mapping is made: what is kept is at most what the last case made.  The cold
-#: command gains nothing (each of its arrays is made once) and keeps nothing longer than the
-#: process.
-POOL_BYTES = 1 << 30
-_FREE: list[mmap.mmap] = []
-_POOL_LOCK = threading.RLock()  # a lease can go on any thread, in a collection inside this
-
-
-def _pooled(nbytes: int) -> mmap.mmap | None:
-    """The smallest kept mapping of ``nbytes`` up to twice that, taken out of the pool; when
-    none fits, None, and the pool emptied (its mappings unmapped) before a new one is made."""
-    with _POOL_LOCK:
-        fits = [m for m in _FREE if nbytes <= len(m) <= 2 * nbytes]
-        if not fits:
-            _FREE.clear()
-            return None
-        best = min(fits, key=len)
-        _FREE.remove(best)
-        return best
-
-
-def _kept(mapping: mmap.mmap) -> None:
-    """Keep the mapping of an array of :func:`empty` that has gone, within ``POOL_BYTES``."""
-    with _POOL_LOCK:
-        if len(mapping) + sum(len(m) for m in _FREE) <= POOL_BYTES:
-            _FREE.append(mapping)
-
-
-def drop_pool() -> None:
-    """Unmap every kept mapping (see ``POOL_BYTES``)."""
-    with _POOL_LOCK:
-        _FREE.clear()
+def _unmapped(mapping: mmap.mmap) -> None:
+    """An array of :func:`empty` has gone: its mapping goes with it (see the module's
+    docstring)."""
 
 
 def leased(mapping: mmap.mmap, shape: tuple[int, ...], dtype: Any,
            give_back: Callable[[mmap.mmap], None]) -> np.ndarray:
     """The array of ``shape`` and ``dtype`` at the start of ``mapping`` (its pages already
     in), which holds the mapping until the array and every view of it have gone; then
-    ``give_back(mapping)`` (the pool here, a worker's result blocks in ``engine.isolation``;
-    a mapping it keeps no reference to is unmapped)."""
+    ``give_back(mapping)`` (a worker's result blocks in ``engine.isolation`` are offered for
+    its next results); a mapping it keeps no reference to is unmapped."""
     dt = np.dtype(dtype)
     nbytes = math.prod(shape) * dt.itemsize
     if len(mapping) < nbytes:
