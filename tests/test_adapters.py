@@ -298,18 +298,25 @@ def test_a_result_block_whose_dE_has_gone_takes_a_later_dE_and_never_a_live_one(
         third = worker.invoke(batches[2]).dE  # the second is alive: a new block
         assert _address(third) != at and third.tobytes() == want[2]
         assert second.tobytes() == want[1]
-        # kept within RESULTS_KEPT: the oldest are let go, and the worker closes them
-        monkeypatch.setattr(iso, "RESULTS_KEPT", 0)
+        # kept within RESULTS_KEPT: beyond it the oldest are let go, and the worker closes them
         names = _result_fds(worker._proc.pid)
         assert len(names) == 2
         del second, third
         gc.collect()
         assert len(worker._results) == 2
+        monkeypatch.setattr(iso, "RESULTS_KEPT", 0)
         fourth = worker.invoke(batches[0]).dE
         assert worker._results == {}  # none kept, none offered: the answer in a new block
         assert _result_fds(worker._proc.pid).isdisjoint(names)
         assert fourth.tobytes() == want[0]
+        # and one whose dE goes now is not kept at all
+        names = _result_fds(worker._proc.pid)
         del fourth
+        gc.collect()
+        assert worker._results == {} and len(worker._dropped) == 1
+        worker.invoke(batches[0])
+        # nor is a new one kept open in the worker: none is left there
+        assert _result_fds(worker._proc.pid) == set()
         # a worker started again holds none of the old blocks: none is offered to it
         kept = worker.invoke(batches[0]).dE
         worker.stop()

@@ -81,7 +81,9 @@ LOAD_TIMEOUT = 120.0
 #: back 0.04 s sooner written over a block taken before (``bench_warm_timeline``: from the
 #: call's return to its answer read here, 0.062 s against 0.103 s; the whole case, 2 runs of
 #: 10 and 12 interleaved pairs in one process, -0.01 s and -0.05 s, 6 of 10 and 6 of 12
-#: faster, within the call's own spread).  Unlike this process's own arrays kept for reuse
+#: faster, within the call's own spread).  A block larger than half of it is never kept (the
+#: worker closes it once sent, as before): at Llama-3's head a dE is 2.1 GB, and holding one
+#: past its dE would add to the check's peak.  Unlike this process's own arrays kept for reuse
 #: (see ``core.memory``), these cost what runs next nothing measurable: one forward+backward
 #: of torch after a warm case, 12 runs each, 1.85-1.96 s with them kept, 1.87-2.00 s with
 #: none.  The cold command's two dE are both alive when the second comes back: it takes none
@@ -669,7 +671,7 @@ def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str
             gone = [b for b, view in held if view() is None]
             held[:] = [(b, view) for b, view in held if view() is not None]
             _release(gone, unlink=False)
-            result, sent, offered, dropped = message
+            result, sent, offered, dropped, keep_to = message
             _release([results.pop(n) for n in dropped if n in results], unlink=False)
             reply, block = _call(spec, fn, table, (result, sent),
                                  {n: results[n] for n in offered if n in results},
@@ -681,8 +683,10 @@ def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str
                 if new:  # never the parent's: its name is unlinked there, unread
                     block.close()
                 raise
-            if new:
+            if new and block.size <= keep_to:
                 results[block.name] = block
+            elif new:  # too large to be offered again: its memory goes with the parent's dE
+                block.close()
     finally:
         _release([b for b, _ in held], unlink=False)
         _release(results, unlink=False)
@@ -1162,12 +1166,12 @@ class Worker:
         return message, written
 
     def _message(self, inputs: Mapping[str, Any]
-                 ) -> tuple[str, dict[str, Any], tuple[str, ...], tuple[str, ...]]:
+                 ) -> tuple[str, dict[str, Any], tuple[str, ...], tuple[str, ...], int]:
         """A fresh name for the call's result block, ``inputs`` with each large array written
         into a block of the pool (or as :meth:`stage` wrote them, for the same arrays), the
         result blocks the worker may write the result into instead (see :meth:`_returned`),
-        and those it is to close.  Which block each input went into is kept for
-        :meth:`collect`."""
+        those it is to close, and the largest new one it is to keep open for later calls.
+        Which block each input went into is kept for :meth:`collect`."""
         staged, self._staged = self._staged, None
         if staged is not None and _same_arrays(staged[0], inputs):
             message, written = staged[1], staged[2]
@@ -1186,7 +1190,7 @@ class Worker:
             total -= len(mapping)
         self._offered = tuple(self._results)
         dropped, self._dropped = tuple(self._dropped), []
-        return self._result, message, self._offered, dropped
+        return self._result, message, self._offered, dropped, RESULTS_KEPT // 2
 
     def _returned(self, name: str) -> Callable[[Any], None]:
         """Where this process's mapping of the result block ``name`` goes once the dE in it
@@ -1196,8 +1200,13 @@ class Worker:
 
         def give_back(mapping: Any) -> None:
             worker = me()
-            if worker is not None and worker._proc is proc and proc is not None:
+            if worker is None or worker._proc is not proc or proc is None:
+                return
+            kept = sum(len(m) for m in list(worker._results.values()))
+            if len(mapping) <= RESULTS_KEPT // 2 and kept + len(mapping) <= RESULTS_KEPT:
                 worker._results[name] = mapping
+            else:  # unmapped here as it goes; the worker closes it with the next call
+                worker._dropped.append(name)
 
         return give_back
 
