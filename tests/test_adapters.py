@@ -314,9 +314,15 @@ def test_a_result_block_whose_dE_has_gone_takes_a_later_dE_and_never_a_live_one(
         del fourth
         gc.collect()
         assert worker._results == {} and len(worker._dropped) == 1
-        worker.invoke(batches[0])
-        # nor is a new one kept open in the worker: none is left there
-        assert _result_fds(worker._proc.pid) == set()
+        worker.submit(batches[0])
+        made = worker._result
+        alive = worker.collect().dE
+        # nor is a new one kept open in the worker, even while its dE lives here (it closes
+        # one after sending it, so by its next answer at the latest)
+        worker.invoke(batches[1])
+        assert made is not None and made not in _result_fds(worker._proc.pid)
+        assert alive.tobytes() == want[0]
+        del alive
         # a worker started again holds none of the old blocks: none is offered to it
         kept = worker.invoke(batches[0]).dE
         worker.stop()
