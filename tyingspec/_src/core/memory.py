@@ -8,8 +8,9 @@ before 5.14) the pages fault in on first use, as they would anyway.
 
 Such a mapping is unmapped when its last array goes, not kept for the next array of its
 size: kept, a warm case at GPT-2 size took 0.12-0.19 s less, but whatever this process ran
-next paid for it (one forward+backward of torch after a warm case, 1 run in 5 or 6: 0.7 s
-more of system time on the same page faults; see docs/speed.md).
+next paid for it (one forward+backward of torch right after a warm case took 0.6-0.7 s
+longer in 1 run of 6 and 1 of 12, all of it system time on the same page faults; see
+docs/speed.md).
 """
 
 from __future__ import annotations
