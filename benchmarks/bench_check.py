@@ -128,10 +128,12 @@ def floor_parts(batch: Batch) -> dict[str, Callable[[], object]]:
     """What a check of ``batch`` cannot skip beyond its first call, each timed on its own:
 
     - (R) the reference's two products of V*d*N multiply-adds, ``logits = h @ E.T`` and
-      ``dh = g @ E``, as numpy float32 matmuls (what ``core.paths.forward_parts`` computes at
-      this size): a reference that trusts nothing the target returns must form the logits to
-      know ``g`` and ``dh`` to know ``dx``, the input path; ``dx`` is not linear in ``g @ E``
-      through a sketch, since ``du = dh * (1 - tanh(u)**2)`` weights each entry;
+      ``dh = g @ E``, as ``core.paths.forward_parts`` computes them for this batch: through
+      E's integer factors in float64 where the case draws E of rank ``core.cases.E_RANK``
+      (GPT-2 size and up), else as numpy float32 matmuls.  A reference that trusts nothing
+      the target returns must form the logits to know ``g`` and ``dh`` to know ``dx``, the
+      input path; ``dx`` is not linear in ``g @ E`` through a sketch, since
+      ``du = dh * (1 - tanh(u)**2)`` weights each entry;
     - (2) the check's second call: ``tied_f32`` at E after the check's SGD step, on the first
       ``SECOND_CALL_POSITIONS`` positions (what catches a tie that is a copy; its O(V*d) work,
       converting E and scoring every row, is the implementation's own);
@@ -155,7 +157,11 @@ def floor_parts(batch: Batch) -> dict[str, Callable[[], object]]:
     short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
     shape = (E.shape[0], E.shape[1], batch.tokens.shape[0])
 
+    factors = batch.e_factors()
+
     def products() -> object:
+        if factors is not None:
+            return factors.times(factors.times_rows_T(h, np.dtype(np.float32)))
         logits = h @ E.T
         return logits @ E
 
@@ -369,7 +375,7 @@ def print_floor(part: dict[str, list[float]], ma: float, against: dict[str, floa
     is free while it lasts: it draws the batch first (2 (D) on one core) and has
     ``(I) - 2 (D)`` left for (R), which takes (R1) on one core.  The part of (R) that fits
     there is hidden; the rest, and the second call, are not."""
-    names = {"R": "the reference's two V*d*N products (numpy float32)",
+    names = {"R": "the reference's two V*d*N products, as the check computes them",
              "2": "the second call (after the SGD step, first positions)",
              "D": "drawing the batch (tyingspec.build)",
              "R1": "the reference's two products on one core"}

@@ -120,9 +120,14 @@ def parts(batch: Batch) -> dict[str, Use]:
     x = np.float32(batch.s_in) * batch.E[t]
     h = np.float32(batch.res) * x + np.tanh(x @ batch.W)
     used: dict[str, Use] = {}
+    factors = batch.e_factors()  # the products as the reference computes them
     with threads.blas_on_one_core():
-        first, g = cpu_of(lambda: paths._times_rows_T(h, batch.E))
-        second, _ = cpu_of(functools.partial(paths._times_rows, g, batch.E))
+        if factors is not None:
+            first, g = cpu_of(lambda: factors.times_rows_T(h, np.dtype(np.float32)))
+            second, _ = cpu_of(functools.partial(factors.times, g))
+        else:
+            first, g = cpu_of(lambda: paths._times_rows_T(h, batch.E))
+            second, _ = cpu_of(functools.partial(paths._times_rows, g, batch.E))
         del g  # the reference below makes its own
         whole, ref = cpu_of(lambda: table.reference(batch, inputs, PRECISION, None))
     used["reference: its two products, one thread"] = first + second

@@ -8,6 +8,7 @@ replays exactly.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from tyingspec._src.core import memory
 from tyingspec._src.core.paths import (
     Array,
     IntArray,
+    LowRank,
     Paths,
     closed_form_paths,
     draw_directions,
@@ -84,8 +86,10 @@ class Case:
     def _describe(self) -> str:
         b = "with b" if self.bias else "no b"
         scale = "" if self.e_scale == 1.0 else f" e_scale={self.e_scale:g}"
+        rank = e_rank(self)
+        low = "" if rank is None else f" E of rank {rank}"
         return (f"V={self.V} d={self.d} N={self.N} res={self.res:g} s_in={self.s_in:g} {b} "
-                f"{self.dtype}{scale} seed={self.seed}")
+                f"{self.dtype}{scale}{low} seed={self.seed}")
 
     def with_batch(self, tokens: IntArray, targets: IntArray) -> Case:
         return replace(self, N=int(tokens.shape[0]), tokens=tuple(int(t) for t in tokens),
@@ -107,6 +111,14 @@ class Batch:
     grad_output: Array | None = None  # drawn [N] upstream gradient for reduction="none"
     # the kind's inputs, kept when E was let go (see :func:`released`); None: built from E
     inputs: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    # E's integer factors, when it was drawn of rank E_RANK (see :func:`e_rank`)
+    low_rank: LowRank | None = field(default=None, compare=False, repr=False)
+
+    def e_factors(self) -> LowRank | None:
+        """The factors of this batch's E, if it was drawn low-rank and is still that array (a
+        stepped, released or replaced E is not)."""
+        f = self.low_rank
+        return f if f is not None and f.factors(self.E) else None
 
 
 def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
@@ -158,6 +170,30 @@ DRAW_SPLIT_ABOVE = 1 << 22
 #: Entries per block of :func:`_drawn_in_blocks` (16 MB in float32): few enough blocks that
 #: spawning costs nothing, enough that two cores share them evenly.
 DRAW_BLOCK = 1 << 22
+#: The rank of E at production shapes.  A probe case in float32 or float64 with at least
+#: ``LOW_RANK_ABOVE`` entries of E and at least ``LOW_RANK_FROM`` rows and columns draws E as
+#: ``scale * (A @ B)``, ``A [V, r]`` and ``B [r, d]`` of integers (see :func:`_drawn_low_rank`),
+#: and the reference computes its two V d N products, the logits ``h @ E.T`` and ``dh = g @ E``,
+#: through the factors (``core.paths.LowRank``): at GPT-2 size 0.29 CPU seconds in float64
+#: where the dense float32 products took 1.53, at Llama-3's head a sixtieth.  The
+#: implementation gets E as a plain [V, d] matrix and does all of its own work.  What a check
+#: asks of E is that every logit and gradient entry is a sum of many products of it with signs
+#: that do not cancel by design, so that each path and each row carries its own value: a
+#: rank-32 E's rows are distinct (32 integers each) and its logits, gradients and their
+#: rounding are of the same size as a dense E's.  What it gives up is an E whose rows span all
+#: of d: a bug whose error lies only in directions no row of E reaches would be missed, and the
+#: forward (the logits) sees h only through B's 32 directions (dE's output path ``g.T @ h``
+#: still sees all of h, and dx all of dh times tanh').  Smaller shapes draw dense E as before.
+E_RANK = 32
+#: Entries of E from which it is drawn of rank ``E_RANK`` (with ``LOW_RANK_FROM``).
+LOW_RANK_ABOVE = DRAW_SPLIT_ABOVE
+#: Rows and columns from which E is drawn of rank ``E_RANK``: the factored products then cost
+#: at most an eighth of the dense ones (in float32; a quarter counting float64's speed).
+LOW_RANK_FROM = 8 * E_RANK
+#: Largest magnitude of a factor's entry: every partial sum of ``A @ B`` is at most
+#: ``E_RANK * 255**2`` (about 2**21) in magnitude, an integer float32 holds exactly, so E is
+#: the same matrix however a product sums it.
+_FACTOR_MAX = 255
 
 
 def _drawn_in_blocks(rng: np.random.Generator, shape: tuple[int, int], dt: np.dtype[Any],
@@ -188,11 +224,51 @@ def _drawn_in_blocks(rng: np.random.Generator, shape: tuple[int, int], dt: np.dt
     return out
 
 
+def e_rank(case: Case) -> int | None:
+    """The rank a case draws its E of (``E_RANK`` at production shapes), None for a dense E.
+    It depends on the shape, dtype and scale alone, never on N, so a shrunk case keeps its E."""
+    dt = numpy_dtype(case.dtype)  # type: ignore[arg-type]
+    if (case.probe and dt in (np.float32, np.float64) and case.V * case.d >= LOW_RANK_ABOVE
+            and min(case.V, case.d) >= LOW_RANK_FROM
+            and math.isfinite(case.e_scale) and case.e_scale > 0):
+        return E_RANK
+    return None
+
+
+def _drawn_low_rank(rng: np.random.Generator, shape: tuple[int, int], dt: np.dtype[Any],
+                    scale: float, rank: int) -> tuple[Array, LowRank]:
+    """E of ``shape`` in ``dt``, ``s * (A @ B)`` with ``A [V, rank]`` and ``B [rank, d]``
+    uniform integers and ``s`` a power of two, so that E's spread is ``scale`` (as a dense
+    draw's), within a percent: B's entries in [-255, 255], A's range and ``s`` chosen for it.
+    The product is exact in float32 (see ``_FACTOR_MAX``), so E is the same on any BLAS and
+    any number of cores.  Each factor is drawn from its own child of the case's generator, so
+    W, b, the tokens and the targets are the ones a dense E's case draws."""
+    V, d = shape
+    a_gen, b_gen = rng.spawn(2)
+    b = _FACTOR_MAX
+
+    def spread(m: int) -> float:  # the standard deviation of a uniform integer in [-m, m]
+        return math.sqrt(m * (m + 1) / 3)
+
+    want = scale / (math.sqrt(rank) * spread(b))  # s times A's spread
+    s = 2.0 ** math.ceil(math.log2(want / spread(b)))  # so that A's spread is at most B's
+    a = max(1, min(b, round((math.sqrt(1 + 12 * (want / s) ** 2) - 1) / 2)))
+    A = a_gen.integers(-a, a + 1, size=(V, rank)).astype(np.float64)
+    B = b_gen.integers(-b, b + 1, size=(rank, d)).astype(np.float64)
+    E = memory.empty((V, d), dt)
+    np.matmul(A.astype(dt), B.astype(dt), out=E)
+    E *= dt.type(s)
+    return E, LowRank(A, B, s, weakref.ref(E))
+
+
 def build(case: Case) -> Batch:
     """Every array of a case, from its seed (weights at a scale where both paths matter)."""
     rng = np.random.default_rng(case.seed)
     dt = numpy_dtype(case.dtype)  # type: ignore[arg-type]
-    if case.V * case.d >= DRAW_SPLIT_ABOVE:
+    rank, low_rank = e_rank(case), None
+    if rank is not None:
+        E, low_rank = _drawn_low_rank(rng, (case.V, case.d), dt, case.e_scale, rank)
+    elif case.V * case.d >= DRAW_SPLIT_ABOVE:
         E = _drawn_in_blocks(rng, (case.V, case.d), dt, case.e_scale)
     elif dt == np.float32:
         # drawn in float32 directly: at V*d = 38M this is a second, not a tenth of one
@@ -208,7 +284,8 @@ def build(case: Case) -> Batch:
     else:
         tokens = _tokens(case, rng).astype(np.int64)
         targets = rng.integers(case.V, size=case.N).astype(np.int64)
-    batch = Batch(E, W, b, tokens, targets, case.res, case.s_in, case.padding_idx)
+    batch = Batch(E, W, b, tokens, targets, case.res, case.s_in, case.padding_idx,
+                  low_rank=low_rank)
     if case.ce:
         batch = with_ce(batch, case, explicit=case.targets is not None)
     return batch
@@ -442,7 +519,8 @@ def closed_form(batch: Batch, dtype: str = "float64") -> Paths:
 
     return closed_form_paths(cast(batch.E), cast(batch.W),
                              None if batch.b is None else cast(batch.b),
-                             batch.tokens, batch.targets, batch.res, batch.s_in)
+                             batch.tokens, batch.targets, batch.res, batch.s_in,
+                             factors=batch.e_factors())
 
 
 #: Above this many multiply-adds in one product (V*d*N), a reference for a check judged at

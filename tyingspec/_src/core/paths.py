@@ -10,8 +10,9 @@ Tied means ``E_in is E_out``.  Everything here is plain numpy in the dtype of ``
 
 from __future__ import annotations
 
+import weakref
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -43,6 +44,68 @@ class Parts:
     def input_rows(self) -> Array:
         """Per-position contribution of the input path: dL/dE_in[tokens[n]] from position n."""
         return self.s_in * self.dx
+
+
+@dataclass(frozen=True, eq=False)
+class LowRank:
+    """``E = scale * (A @ B)``, exactly: ``A [V, r]`` and ``B [r, d]`` hold small integers
+    (float64) and ``scale`` is a power of two, so every partial sum of ``A @ B`` is an integer
+    below 2**24 and E is the same matrix in float32 and float64, whatever the order of its sums
+    (see ``core.cases.E_RANK``).  Then the reference's two V d N products go through the
+    factors: ``h @ E.T = (scale * h @ B.T) @ A.T`` and ``g @ E = scale * (g @ A) @ B``, r / d
+    of their cost, in float64 (below any rounding the bound allows a float32 reference).
+
+    ``of`` is a weak reference to the E it factors: a batch whose E was replaced (stepped,
+    released, cast) no longer matches, and is computed from its E as before."""
+
+    A: Array
+    B: Array
+    scale: float
+    of: weakref.ref[Any] = field(repr=False)
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[1])
+
+    def factors(self, E: Any) -> bool:
+        """Whether this is the factorization of the very array ``E``."""
+        return self.of() is E
+
+    def times_rows_T(self, h: Array, dt: np.dtype[Any]) -> Array:
+        """``h @ E.T`` ([N, V], in ``dt``, its pages in at once), computed in float64 a block
+        of positions at a time, each block rounded once to ``dt``."""
+        hb = (np.asarray(h, dtype=np.float64) @ self.B.T) * self.scale  # [N, r]
+        n, V = hb.shape[0], self.A.shape[0]
+        out = memory.empty((n, V), dt)
+        if out.dtype == np.float64:
+            return np.matmul(hb, self.A.T, out=out)
+        tmp = np.empty((min(n, _LOW_RANK_ROWS), V))
+        for s in range(0, n, _LOW_RANK_ROWS):
+            e = min(s + _LOW_RANK_ROWS, n)
+            np.matmul(hb[s:e], self.A.T, out=tmp[:e - s])
+            out[s:e] = tmp[:e - s]
+        return out
+
+    def times(self, g: Array) -> Array:
+        """``g @ E`` ([N, d] in g's dtype), computed in float64: ``g`` a block of positions at a
+        time, then ``scale * (g @ A) @ B``."""
+        n, V = g.shape
+        gA = np.empty((n, self.A.shape[1]))
+        if g.dtype == np.float64:
+            np.matmul(g, self.A, out=gA)
+        else:
+            tmp = np.empty((min(n, _LOW_RANK_ROWS), V))
+            for s in range(0, n, _LOW_RANK_ROWS):
+                e = min(s + _LOW_RANK_ROWS, n)
+                np.copyto(tmp[:e - s], g[s:e])
+                np.matmul(tmp[:e - s], self.A, out=gA[s:e])
+        out: Array = ((gA @ self.B) * self.scale).astype(g.dtype, copy=False)
+        return out
+
+
+#: Positions per block of a :class:`LowRank` product in float64: a 26 MB temporary at a
+#: GPT-2-size vocabulary, reused block after block.
+_LOW_RANK_ROWS = 64
 
 
 class _Factored:
@@ -295,8 +358,12 @@ def forward_parts(
     targets: IntArray,
     res: float = 1.0,
     s_in: float = 1.0,
+    *,
+    out_factors: LowRank | None = None,
 ) -> Parts:
-    """Forward and backward of the probe model up to (not including) the gradient into E."""
+    """Forward and backward of the probe model up to (not including) the gradient into E;
+    ``out_factors``, E_out's :class:`LowRank` factors, computes its two products through
+    them."""
     tokens, targets = flatten_batch(tokens, targets)
     n = tokens.shape[0]
     dt = np.result_type(E_in.dtype, np.float32)
@@ -308,10 +375,10 @@ def forward_parts(
     h = res_c * x + t
     # The softmax in place on one [N, V] buffer: at V = 50257 each extra temporary costs as
     # much as a matrix product.
-    g = _times_rows_T(h, E_out)
+    g = _times_rows_T(h, E_out) if out_factors is None else out_factors.times_rows_T(h, dt)
     at_target, z = _softmax_in_place(g, b, targets)
     loss = float((np.log(z) - at_target).mean()) if n else float("nan")
-    dh = _times_rows(g, E_out)
+    dh = _times_rows(g, E_out) if out_factors is None else out_factors.times(g)
     du = dh * (1 - t * t)
     dx = res_c * dh + du @ W.T
     dW = x.T @ du
@@ -429,12 +496,15 @@ def closed_form_paths(
     *,
     E_out: Array | None = None,
     sketch: bool | None = None,
+    factors: LowRank | None = None,
 ) -> Paths:
     """Closed-form reference: both paths of dL/dE (``E_out`` defaults to ``E``: tied).
-    ``sketch``: judge absent rows through projections (default: above ``SKETCH_ABOVE``)."""
+    ``sketch``: judge absent rows through projections (default: above ``SKETCH_ABOVE``);
+    ``factors``: E's :class:`LowRank` factors (tied only), for its products."""
     t, y = flatten_batch(tokens, targets)
     out = E if E_out is None else E_out
-    p = forward_parts(E, out, W, b, t, y, res, s_in)
+    p = forward_parts(E, out, W, b, t, y, res, s_in,
+                      out_factors=factors if E_out is None else None)
     per_pos = p.input_rows
     V, d = out.shape
     drawn = draw_directions(V, d, t.shape[0], t, y, sketch)

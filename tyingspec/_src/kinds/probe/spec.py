@@ -38,7 +38,7 @@ def _kernel_inputs(batch: Batch) -> Inputs:
         return dict(batch.inputs)
     # the kernel's inputs come from a real forward pass of the probe model on the batch
     p = forward_parts(batch.E, batch.E, batch.W, batch.b, batch.tokens, batch.targets,
-                      batch.res, batch.s_in)
+                      batch.res, batch.s_in, out_factors=batch.e_factors())
     return {"tokens": batch.tokens, "dx": p.input_rows, "h": p.h, "g": p.g,
             "vocab_size": batch.E.shape[0]}
 
