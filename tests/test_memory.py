@@ -252,6 +252,29 @@ def test_a_buffer_the_adapter_keeps_is_still_copied(tmp_path: Path,
     ob._LAST.clear()
 
 
+def test_a_large_kept_dE_waits_for_the_next_case_in_a_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between cases the last dE is held by nothing but the check (2.1 GB at Llama-3's head):
+    from ``SPILL_ABOVE`` bytes it waits in a file, mapped, and still names a buffer that is
+    never zeroed on the next case's first call."""
+    (tmp_path / "memory_buffer_kernel.py").write_text(_BUFFER_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(ob, "SPILL_ABOVE", 1)
+    ob._LAST.clear()
+    target = ob.load("memory_buffer_kernel:kernel", "kernel", "float32", isolate=False)
+    first = ob._remember(target, ob.first_call(target, _case()))
+    want = np.array(first.returned.dE, copy=True)
+    del first
+    ob._set_aside()
+    kept = [v[0] for k, v in ob._LAST.items() if k[0] == "memory_buffer_kernel:kernel"]
+    assert len(kept) == 1 and isinstance(kept[0], np.memmap)
+    np.testing.assert_array_equal(kept[0], want)
+    del kept
+    obs = ob.observe(target, _case(seed=8))
+    assert obs.label == "gradient_not_zeroed"
+    ob._LAST.clear()
+
+
 # --- a bfloat16 E is cast a block of rows at a time ----------------------------------------------
 
 def test_a_bfloat16_forward_casts_E_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -216,7 +216,7 @@ class Handed(dict[str, Any]):
         super().__init__()
         try:
             for k, v in inputs.items():
-                f = _spill(v) if _spillable(v, k, private) else None
+                f = spill(v) if _spillable(v, k, private) else None
                 if f is not None:
                     self.spilled[k] = f
                     self[k] = v
@@ -306,7 +306,7 @@ def _views_of(returned: Any, base: np.ndarray) -> bool:
     return any(isinstance(a, np.ndarray) and np.shares_memory(a, base) for a in arrays)
 
 
-def _spill(a: np.ndarray) -> IO[bytes] | None:
+def spill(a: np.ndarray) -> IO[bytes] | None:
     """An unnamed temporary file holding ``a``'s bytes; None where it cannot be made or
     written (a ``TMPDIR`` that cannot be written to, a full disk: the input is copied in
     memory instead, as a smaller one is)."""

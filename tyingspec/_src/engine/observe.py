@@ -38,7 +38,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from tyingspec._src.core import memory, threads
-from tyingspec._src.core.adapters import AdapterError, Returned
+from tyingspec._src.core.adapters import SPILL_ABOVE, AdapterError, Returned, spill
 from tyingspec._src.core.cases import PROBE_CASES, Batch, Case, at_shape, build, sgd_step
 from tyingspec._src.core.diagnosis import ArrayCheck, Diagnosis, Label, compare, diagnose
 from tyingspec._src.core.findings import Finding
@@ -614,9 +614,31 @@ def _first_judged(target: Target, case: Case, batch: Batch, inputs: dict[str, An
     return obs
 
 
-#: The last dE each target returned, per shape: a gradient buffer that is never zeroed shows
-#: as "this call's dE = the previous call's + the right one", even across cases.
-_LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Paths]] = {}
+#: The last dE each target returned, per shape, with its reference's bound terms: a gradient
+#: buffer that is never zeroed shows as "this call's dE = the previous call's + the right one",
+#: even across cases.  Only the terms of the reference are kept (its whole paths hold the
+#: [N, V] g: 0.5 GB at Llama-3's head), and between observations a large dE is set aside in a
+#: file (see :func:`_set_aside`).
+_LAST: dict[tuple[str, str, tuple[int, ...]], tuple[np.ndarray, Terms | None]] = {}
+
+
+def _set_aside() -> None:
+    """A kept dE of ``adapters.SPILL_ABOVE`` bytes or more, written to an unnamed temporary
+    file and kept as a read-only mapping of it: between cases nothing else holds it, and in
+    memory it was the largest array the check held beyond the implementation's own (2.1 GB at
+    Llama-3's head: the whole seven-case kernel check peaked at 8.67 GiB against the kernel's
+    own 4.79, one case at 4.88).  Its pages are read back only when a later call is wrong and
+    the stale-buffer hypothesis is tried.  Where the file cannot be written it stays in
+    memory; on a tmpfs ``TMPDIR`` the file is memory too."""
+    for key, (dE, terms) in list(_LAST.items()):
+        if isinstance(dE, np.memmap) or dE.nbytes < SPILL_ABOVE or not dE.flags.c_contiguous:
+            continue
+        f = spill(dE)
+        if f is None:
+            continue
+        with f:  # the mapping holds a descriptor of its own
+            aside = np.memmap(f, dtype=dE.dtype, mode="r", shape=dE.shape)
+        _LAST[key] = (aside, terms)
 
 
 def _remember(target: Target, obs: Observation) -> Observation:
@@ -632,7 +654,7 @@ def _remember(target: Target, obs: Observation) -> Observation:
     # nothing else can reach (its Returned and this name hold it: core.memory.unshared).
     dE = obs.returned.dE
     kept = target.worker is not None or memory.unshared(dE, holders=2)
-    _LAST[key] = (dE if kept else np.array(dE, copy=True), obs.paths)
+    _LAST[key] = (dE if kept else np.array(dE, copy=True), obs.paths.terms)
     return obs
 
 
@@ -640,10 +662,10 @@ def _remember(target: Target, obs: Observation) -> Observation:
 _STALE_ROWS = 256
 
 
-def _stale(diag: Diagnosis, previous: tuple[np.ndarray, Paths], returned: Returned,
+def _stale(diag: Diagnosis, previous: tuple[np.ndarray, Terms | None], returned: Returned,
            paths: Paths, precision: Precision) -> Diagnosis:
-    prev_raw, prev_paths = previous
-    t0, t1 = prev_paths.terms, paths.terms
+    prev_raw, t0 = previous
+    t1 = paths.terms
     if t0 is None or t1 is None or t0.rows.shape != t1.rows.shape:
         return diag
     tol = row_tolerance(Terms(rows=t0.rows + t1.rows, k=max(t0.k, t1.k)), precision)
@@ -675,7 +697,7 @@ def judge_repeat(first: Returned, second: Returned, paths: Paths,
     diag = judge(second, paths, precision)
     if not diag.wrong or diag.findings:
         return diag
-    return _stale(diag, (np.asarray(first.dE), paths), second, paths, precision)
+    return _stale(diag, (np.asarray(first.dE), paths.terms), second, paths, precision)
 
 
 def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
@@ -683,6 +705,7 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
     """Observe ``target`` on ``case``: the first call and the kind's second call (after one SGD
     step, or a repeat); returns the observation that decides the verdict (the second call's
     when it reveals a bug the first did not).  ``overrides`` replace inputs of the call."""
+    _set_aside()  # the last observation's dE, now held by nothing else
     if step and not overrides and not target._wrong_first and target.worker is not None \
             and target.table.complete is None and target.worker.outranks():
         return _observe_ahead(target, case)
