@@ -11,6 +11,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from builtin_verdicts import labels
+from builtin_verdicts import names as builtin_names
 
 from tyingspec._src.core import cases as _cases
 from tyingspec._src.core import paths as _paths
@@ -25,9 +27,6 @@ from tyingspec._src.core.cases import (
 )
 from tyingspec._src.core.paths import LowRank, forward_parts
 from tyingspec._src.core.tolerance import numpy_dtype
-from tyingspec._src.front.check import check_target
-from tyingspec._src.kinds.probe.builtins import builtins
-from tyingspec._src.kinds.probe.mutants import reset_state
 
 #: The smallest shape the defaults draw low-rank: 2**22 entries, 256 columns.
 V_PROD, D_PROD = 16384, 256
@@ -158,27 +157,19 @@ def test_an_E_that_is_no_longer_the_drawn_one_is_not_taken_for_its_factors(
     np.testing.assert_array_equal(p.g, q.g)
 
 
-def _labels(kind: str, name: str) -> list[tuple[str, str, str | None, str | None]]:
-    reset_state()
-    cases, _ = at_shape(standard_cases(0), 160, 12, 24)
-    report = check_target(name, kind, 0, cases, shrink_budget=0)
-    return [(r.case.name, r.status, None if r.diagnosis is None else r.diagnosis.label,
-             r.stage) for r in report.results]
-
-
 @pytest.mark.parametrize("kind", ["model", "kernel"])
 def test_every_builtin_gets_the_same_verdict_on_a_low_rank_E(
         kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every correct built-in passes and every broken one fails with the same label, case by
     case, on an E of rank 2 in 12 columns (E_RANK's 32 in GPT-2's 768 is far less thin) as on a
     dense one: no bug of the zoo hides in the directions E's rows do not reach."""
-    names = sorted(n for n, impl in builtins().items() if getattr(impl, kind) is not None)
+    names = builtin_names(kind)
     assert len(names) > 10
-    dense = {n: _labels(kind, n) for n in names}
+    dense = {n: labels(kind, n) for n in names}
     _small_low_rank(monkeypatch, rank=2)
     drawn = build(_case(160, 12, 24))
     assert drawn.e_factors() is not None and np.linalg.matrix_rank(drawn.E) == 2
-    low = {n: _labels(kind, n) for n in names}
+    low = {n: labels(kind, n) for n in names}
     assert low == dense
     assert any(status == "wrong" for rows in low.values() for _, status, _, _ in rows)
 

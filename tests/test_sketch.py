@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from builtin_verdicts import labels
+from builtin_verdicts import names as builtin_names
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,9 +26,6 @@ from tyingspec._src.core.paths import (
     sketch_directions,
 )
 from tyingspec._src.core.tolerance import row_tolerance
-from tyingspec._src.front.check import check_target
-from tyingspec._src.kinds.probe.builtins import builtins
-from tyingspec._src.kinds.probe.mutants import reset_state
 
 
 def _paths(seed: int = 0, *, V: int = 96, d: int = 12, N: int = 16, sketch: bool = True,
@@ -155,24 +154,16 @@ def test_kernel_reference_sketches_too() -> None:
     assert diagnose(np.asarray(dense.dE_out), sk).label == "input_path_missing"
 
 
-def _labels(kind: str, name: str) -> list[tuple[str, str, str | None, str]]:
-    reset_state()
-    cases, _ = at_shape(standard_cases(0), 160, 12, 24)
-    report = check_target(name, kind, 0, cases, shrink_budget=0)
-    return [(r.case.name, r.status, None if r.diagnosis is None else r.diagnosis.label,
-             r.stage) for r in report.results]
-
-
 @pytest.mark.parametrize("kind", ["model", "kernel"])
 def test_every_builtin_gets_the_same_verdict_sketched(kind: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Every correct built-in passes and every broken one fails with the same label, case by
     case, whether absent rows are compared entry by entry or through projections."""
-    names = sorted(n for n, impl in builtins().items() if getattr(impl, kind) is not None)
+    names = builtin_names(kind)
     assert len(names) > 10
-    dense = {n: _labels(kind, n) for n in names}
+    dense = {n: labels(kind, n) for n in names}
     monkeypatch.setattr(_probe, "SKETCH_ABOVE", -1)
-    sketched = {n: _labels(kind, n) for n in names}
+    sketched = {n: labels(kind, n) for n in names}
     assert sketched == dense
     # the sketch was in force, and the zoo's broken ones were caught through it
     assert any(status == "wrong" for rows in sketched.values() for _, status, _, _ in rows)
