@@ -174,8 +174,9 @@ DRAW_BLOCK = 1 << 22
 #: ``LOW_RANK_ABOVE`` entries of E and at least ``LOW_RANK_FROM`` rows and columns draws E as
 #: ``scale * (A @ B)``, ``A [V, r]`` and ``B [r, d]`` of integers (see :func:`_drawn_low_rank`),
 #: and the reference computes its two V d N products, the logits ``h @ E.T`` and ``dh = g @ E``,
-#: through the factors (``core.paths.LowRank``): at GPT-2 size 0.29 CPU seconds in float64
-#: where the dense float32 products took 1.53, at Llama-3's head a sixtieth.  The
+#: through the factors (``core.paths.LowRank``), r / d of the multiply-adds (1/24 at GPT-2's
+#: width, 1/128 at Llama-3's): at GPT-2 size 0.29 CPU seconds in float64 where the dense
+#: float32 products took 1.53 (docs/speed.md).  The
 #: implementation gets E as a plain [V, d] matrix and does all of its own work.  What a check
 #: asks of E is that every logit and gradient entry is a sum of many products of it with signs
 #: that do not cancel by design, so that each path and each row carries its own value: a
