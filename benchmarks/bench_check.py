@@ -64,7 +64,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/bench_check.py` as well as `
 from benchmarks.launch import shape_parser, tyingspec_cmd  # noqa: E402
 from benchmarks.torch_probe import ADAPTERS, tied_f32  # noqa: E402
 from tyingspec import build, standard_cases  # noqa: E402
-from tyingspec._src.core import threads  # noqa: E402
+from tyingspec._src.core import paths, threads  # noqa: E402
 from tyingspec._src.core.cases import Batch, at_shape  # noqa: E402
 from tyingspec._src.reproduce._common import single_threaded_blas  # noqa: E402
 
@@ -160,10 +160,7 @@ def floor_parts(batch: Batch) -> dict[str, Callable[[], object]]:
     factors = batch.e_factors()
 
     def products() -> object:
-        if factors is not None:
-            return factors.times(factors.times_rows_T(h, np.dtype(np.float32)))
-        logits = h @ E.T
-        return logits @ E
+        return paths._times_rows(paths._times_rows_T(h, E, factors), E, factors)
 
     def products_one_core() -> object:
         with single_threaded_blas():

@@ -122,12 +122,8 @@ def parts(batch: Batch) -> dict[str, Use]:
     used: dict[str, Use] = {}
     factors = batch.e_factors()  # the products as the reference computes them
     with threads.blas_on_one_core():
-        if factors is not None:
-            first, g = cpu_of(lambda: factors.times_rows_T(h, np.dtype(np.float32)))
-            second, _ = cpu_of(functools.partial(factors.times, g))
-        else:
-            first, g = cpu_of(lambda: paths._times_rows_T(h, batch.E))
-            second, _ = cpu_of(functools.partial(paths._times_rows, g, batch.E))
+        first, g = cpu_of(lambda: paths._times_rows_T(h, batch.E, factors))
+        second, _ = cpu_of(functools.partial(paths._times_rows, g, batch.E, factors))
         del g  # the reference below makes its own
         whole, ref = cpu_of(lambda: table.reference(batch, inputs, PRECISION, None))
     used["reference: its two products, one thread"] = first + second

@@ -375,10 +375,10 @@ def forward_parts(
     h = res_c * x + t
     # The softmax in place on one [N, V] buffer: at V = 50257 each extra temporary costs as
     # much as a matrix product.
-    g = _times_rows_T(h, E_out) if out_factors is None else out_factors.times_rows_T(h, dt)
+    g = _times_rows_T(h, E_out, out_factors)
     at_target, z = _softmax_in_place(g, b, targets)
     loss = float((np.log(z) - at_target).mean()) if n else float("nan")
-    dh = _times_rows(g, E_out) if out_factors is None else out_factors.times(g)
+    dh = _times_rows(g, E_out, out_factors)
     du = dh * (1 - t * t)
     dx = res_c * dh + du @ W.T
     dW = x.T @ du
@@ -439,9 +439,12 @@ def _cast_blocks(E: Array) -> list[slice] | None:
     return [slice(s, s + rows) for s in range(0, E.shape[0], rows)]
 
 
-def _times_rows_T(h: Array, E: Array) -> Array:
-    """``h @ E.T`` into one [N, V] buffer (its pages faulted in at once)."""
+def _times_rows_T(h: Array, E: Array, factors: LowRank | None = None) -> Array:
+    """``h @ E.T`` into one [N, V] buffer (its pages faulted in at once); through E's
+    ``factors`` when given."""
     dt = np.result_type(h, E)
+    if factors is not None:
+        return factors.times_rows_T(h, dt)
     out = memory.empty((h.shape[0], E.shape[0]), dt)
     blocks = _cast_blocks(E)
     if blocks is None:
@@ -451,8 +454,11 @@ def _times_rows_T(h: Array, E: Array) -> Array:
     return out
 
 
-def _times_rows(g: Array, E: Array) -> Array:
-    """``g @ E``, summed over blocks of E's rows where E must be cast (see ``_CAST_BYTES``)."""
+def _times_rows(g: Array, E: Array, factors: LowRank | None = None) -> Array:
+    """``g @ E``, summed over blocks of E's rows where E must be cast (see ``_CAST_BYTES``);
+    through E's ``factors`` when given."""
+    if factors is not None:
+        return factors.times(g)
     blocks = _cast_blocks(E)
     if blocks is None:
         out: Array = g @ E
