@@ -80,3 +80,17 @@ def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Scratch:
     monkeypatch.setenv("PY_COLORS", "0")
     return Scratch(tmp_path)
 
+
+
+#: Test modules of what torch runs: the torch, transformers, distributed, checkpoint and
+#: linear-ce kinds.  CI runs them (``-m torch``) a second time on the newest torch pip installs
+#: (``.ci/run``), because the observer leans on how torch dispatches (``Function.apply`` moved
+#: from Python to C between 2.13 and 2.14, and nothing on 2.13 could have seen it).
+_TORCH_MODULES = ("torch", "transformers", "distributed", "ckpt", "linear_ce")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = Path(str(item.fspath)).stem
+        if any(word in module for word in _TORCH_MODULES) or "torch" in item.name:
+            item.add_marker(pytest.mark.torch)

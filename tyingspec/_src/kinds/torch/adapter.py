@@ -75,8 +75,15 @@ def _numpy(t: torch.Tensor | None, shape: tuple[int, ...]) -> np.ndarray:
 def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     """Describe the model (``inputs["mode"] == "describe"``) or observe it on a batch; the
     process's torch state is as it was afterwards (see :mod:`core.process_state`)."""
+    from tyingspec._src.kinds.torch.uses import TorchUnsupported
+
     with torch_state_kept():
-        return _call(spec, fn, inputs)
+        try:
+            return _call(spec, fn, inputs)
+        except TorchUnsupported as exc:
+            raise AdapterError(spec, "cannot be checked on this torch", got=str(exc),
+                               expected="a torch release tyingspec's CI runs (see the "
+                                        "README's install section)") from exc
 
 
 def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:

@@ -265,6 +265,26 @@ def _function_apply(mode: _Mode, original: Any) -> Any:
     return apply
 
 
+def _bound_apply(original: Any) -> Any:
+    """``original(cls, *args)``: the class's own ``Function.apply``, whatever object torch
+    keeps it as.  torch 2.13 defines ``apply`` in Python (a ``classmethod`` wrapping a
+    function); torch 2.14 keeps the C ``classmethod_descriptor`` of ``_FunctionBase``, which
+    has no ``__func__``.  Both bind to a class through the descriptor protocol, the one
+    mechanism every release shares; an ``apply`` that does not is a torch this observer was
+    never run on, said so with its version instead of a traceback."""
+    get = getattr(original, "__get__", None)
+    if get is None:
+        raise TorchUnsupported(
+            f"torch {torch.__version__}: torch.autograd.Function.apply is a "
+            f"{type(original).__name__}, not a descriptor, so the uses of the tied weight "
+            "inside custom autograd.Functions cannot be observed")
+    return lambda cls, *args, **kwargs: get(None, cls)(*args, **kwargs)
+
+
+class TorchUnsupported(RuntimeError):
+    """This torch lacks a mechanism the observer needs (named in the message)."""
+
+
 def _store(record: dict[str, Any], key: str, g: torch.Tensor) -> None:
     record[key] = g.detach().reshape(-1, g.shape[-1]).clone()
 
@@ -282,7 +302,7 @@ class observed_uses:  # noqa: N801  (used as a context manager, like torch's mod
 
         self._original = Function.__dict__["apply"]
         Function.apply = classmethod(  # type: ignore[assignment,method-assign]
-            _function_apply(self._mode, self._original.__func__))
+            _function_apply(self._mode, _bound_apply(self._original)))
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self.uses
 
