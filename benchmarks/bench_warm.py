@@ -20,6 +20,10 @@ beside them, interleaved in the same rounds, the parts of a warm case no check c
 (``bench_check.floor_parts``: the reference's two products, the second call, drawing the
 batch) with their sum as a multiple of (a).
 
+Then what deciding to reuse the loaded worker costs a warm case (issue 50): comparing the
+digests of the files its code came from with those files as they are now, and looking for a
+process its target left running (``Worker.current`` and ``Worker.strays``, 20 times each).
+
 Last, the CPU seconds (user + system, every thread) of (a), of each floor part (this process)
 and of W (this process and the worker, read from ``/proc``), and what they allow on the
 machine's cores however the work is ordered: the least W / (a) that W's own CPU seconds
@@ -136,8 +140,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     floor = ma + sum(statistics.median(part[k]) for k in ("R", "2", "D"))
     print(f"floor of a warm case, (a) + (R) + (2) + (D) = {floor:.2f} s ({floor / ma:.2f}x); "
           f"(W) is {statistics.median(warm) / floor:.2f}x that floor")
+    print_reuse()
     print_cpu(fa, cpu)
     return 0
+
+
+def print_reuse(times: int = 20) -> None:
+    """What a warm case pays to decide that the kept worker may serve it: the files its code
+    came from compared with what they hold now, and the processes below the worker looked for
+    (see ``engine.warm``)."""
+    from tyingspec._src.engine.warm import WARM
+
+    (target,) = WARM._kept.values()
+    worker = target.worker
+    assert worker is not None
+    took: dict[str, list[float]] = {"current": [], "strays": []}
+    for _ in range(times):
+        for name, f in (("current", worker.current), ("strays", worker.strays)):
+            t0 = time.perf_counter()
+            f()
+            took[name].append(time.perf_counter() - t0)
+    print(f"reusing the worker: comparing the {len(worker.sources)} files its code came from "
+          f"{statistics.median(took['current']) * 1e3:.2f} ms, looking for a process it left "
+          f"{statistics.median(took['strays']) * 1e3:.2f} ms (medians of {times})")
 
 
 if __name__ == "__main__":

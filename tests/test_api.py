@@ -82,26 +82,33 @@ def test_a_second_check_reuses_the_worker_until_the_source_changes(tmp_path) -> 
     key = (spec, "kernel", "auto", 120.0, (str(tmp_path),))
     try:
         assert tyingspec.check(spec, "kernel", case="repeated-tokens", paths=paths).ok
-        first = WARM._kept[key][0].worker
+        first = WARM._kept[key].worker
         assert first is not None and first._proc is not None
         pid = first._proc.pid
         assert tyingspec.check(spec, "kernel", case="absent-tokens", paths=paths).ok
-        again = WARM._kept[key][0].worker
+        again = WARM._kept[key].worker
         assert again is first and again._proc is not None and again._proc.pid == pid
         # the user fixes nothing but breaks the kernel: the next check runs the new code
         _write_kernel(module, "pass  # the input path dropped")
         report = tyingspec.check(spec, "kernel", case="repeated-tokens", paths=paths)
         assert report.diagnosis_label == "input_path_missing", report.diagnosis
-        assert WARM._kept[key][0].worker is not first
+        assert WARM._kept[key].worker is not first
     finally:
         WARM.close()
     assert len(WARM) == 0
 
 
-def test_the_source_stamp_reads_no_user_code(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tyingspec._src.engine.warm import source_stamp
+def test_the_staleness_check_reads_no_user_code(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # the parent compares the digests of the files the worker read with the files as they are:
+    # it reads their bytes and never imports them
+    import sys
 
-    (tmp_path / "stamp_mod_loud.py").write_text("raise SystemExit('imported!')\n")
-    stamp = source_stamp("stamp_mod_loud:f", [str(tmp_path)])
-    assert stamp is not None and stamp[0].endswith("stamp_mod_loud.py")
-    assert source_stamp("tied", []) is None  # a built-in name has no source to watch
+    from tyingspec._src.engine.isolation import digest, unchanged
+
+    loud = tmp_path / "stamp_mod_loud.py"
+    loud.write_text("raise SystemExit('imported!')\n")
+    sources = {str(loud): digest(str(loud)), str(tmp_path / "gone.json"): "missing"}
+    assert unchanged(sources) and "stamp_mod_loud" not in sys.modules
+    loud.write_text("raise SystemExit('imported again!')\n")
+    assert not unchanged(sources)
+    assert digest(str(tmp_path)) is None  # a folder has no bytes to key on

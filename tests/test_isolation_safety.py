@@ -243,7 +243,7 @@ def test_every_value_a_worker_legitimately_sends_comes_back_equal_and_of_its_typ
     message = (("ok", returned, {"psm_1"}), ("ok", Returned(_Shared("n", (5, 3), "<f8"), (),
                                                             "float64"), set()),
                ("error", AdapterError("a", "p", key="k", expected="e", got=None)),
-               ("loaded", None, ["kernel"]))
+               ("loaded", None, ["kernel"], {"/src/helper.py": "0f1e"}))
     back = _decode(_encode(message))
     assert _same(back, message)
 
@@ -474,3 +474,110 @@ def test_a_child_the_target_forked_is_gone_once_its_worker_is_stopped(forkers: P
         assert _within(5, lambda: not _running(child)), "the target's child outlived its worker"
     finally:
         target.close()
+
+
+# A target that starts a child holding its stdout and leaves it running, three ways: a plain
+# Popen (in the worker's process group), one in a session of its own (out of the group), and a
+# daemon's double fork (out of the group, its parent gone at once).
+STRAYS = '''
+import os, subprocess, sys, time
+from tyingspec._src.kinds.probe.builtins import REGISTRY
+
+HERE = {here!r}
+
+
+def _note(pid):
+    with open(os.path.join(HERE, "children"), "a") as f:
+        f.write(f"{{pid}}\\n")
+
+
+def _daemon():
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork() == 0:  # the daemon: stdout still the check's
+            _note(os.getpid())
+            time.sleep(60)
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+START = {{
+    "popen": lambda: _note(subprocess.Popen(["sleep", "60"]).pid),
+    "session": lambda: _note(subprocess.Popen(["sleep", "60"], start_new_session=True).pid),
+    "daemon": _daemon,
+}}
+
+
+def _leaves(how):
+    def adapter(E, W, b, tokens, targets, *, res, s_in):
+        START[how]()
+        return REGISTRY["tied"].model(E, W, b, tokens, targets, res=res, s_in=s_in)
+    return adapter
+
+
+popen, session, daemon = _leaves("popen"), _leaves("session"), _leaves("daemon")
+'''
+HOW = ["popen", "session", "daemon"]
+
+
+@pytest.fixture()
+def strays(tmp_path: Path) -> Iterator[Path]:
+    (tmp_path / "strays.py").write_text(STRAYS.format(here=str(tmp_path)))
+    yield tmp_path
+    for pid in _pids(tmp_path, "children"):  # a failed test's
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_check_piped_to_cat_ends_with_its_run_and_the_child_the_target_left(
+        strays: Path, how: str) -> None:
+    # the child holds the pipe's write end: `| cat` ends when it does, 60 s later, unless the
+    # run ends it (a session of its own or a double fork leaves the worker's process group)
+    t0 = time.monotonic()
+    out = subprocess.run(
+        f"{BIN / 'tyingspec'} check strays:{how} --kind model --case absent-tokens | cat",
+        shell=True, cwd=strays, capture_output=True, text=True, timeout=30)
+    took = time.monotonic() - t0
+    assert out.returncode == 0 and "verdict: correct" in out.stdout, \
+        (out.stdout + out.stderr)[-3000:]
+    children = _pids(strays, "children")
+    assert children, "the target started no child"
+    assert took < 20, f"the pipe stayed open {took:.1f} s"
+    assert _within(5, lambda: not any(map(_running, children))), \
+        "a child the target left outlived the run"
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_the_api_ends_the_child_a_target_left_and_keeps_a_worker_that_left_none(
+        strays: Path, how: str) -> None:
+    import tyingspec
+    from tyingspec._src.engine.warm import WARM
+
+    WARM.close()
+    try:
+        report = tyingspec.check(f"strays:{how}", "model", case="absent-tokens",
+                                 paths=[str(strays)])
+        assert report.ok, report.diagnosis
+        children = _pids(strays, "children")
+        assert children, "the target started no child"
+        assert _within(5, lambda: not any(map(_running, children))), \
+            "a child the target left outlived tyingspec.check"
+        assert len(WARM) == 0  # its worker went with it: the next check loads afresh
+        # a target that leaves nothing running keeps its worker for the next check
+        (strays / "quiet.py").write_text(
+            "from tyingspec._src.kinds.probe.builtins import REGISTRY\n"
+            "quiet = REGISTRY['tied'].model\n")
+        workers = []
+        for _ in range(2):
+            assert tyingspec.check("quiet:quiet", "model", case="absent-tokens",
+                                   paths=[str(strays)]).ok
+            (kept,) = WARM._kept.values()
+            assert kept.worker is not None and kept.worker._proc is not None
+            workers.append(kept.worker._proc.pid)
+        assert workers[0] == workers[1]
+    finally:
+        WARM.close()

@@ -35,10 +35,15 @@ its own) is an AdapterError that says what was refused, and the worker is killed
 parent sends the worker is still pickled: the worker trusts its parent.
 
 No process of a run outlives it.  The worker leads a process group of its own, which whatever
-its target forks joins: the parent ends a worker by killing that group, and a worker that ends
-(even one whose parent was killed) kills its group last.  The parent ends its workers at exit
+its target forks joins, and on Linux is a child subreaper, so that a process its target forked
+stays below it even after leaving that group (a ``setsid()``, a daemon's double fork): the
+parent ends a worker by killing every process below it and its group, and a worker that ends
+(even one whose parent was killed) does the same last.  The parent ends its workers at exit
 (a KeyboardInterrupt included) and on SIGTERM or SIGHUP (see :func:`install_signal_cleanup`),
 and unlinks every shared block it made for them.
+
+Each answer also names the files the worker's code came from, read since the last answer, with
+a digest of each (:class:`_Sources`): what a kept worker is keyed on (see :mod:`engine.warm`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from __future__ import annotations
 import atexit
 import copy
 import faulthandler
+import hashlib
 import json
 import math
 import multiprocessing
@@ -53,6 +59,7 @@ import os
 import re
 import secrets
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -370,9 +377,10 @@ def _loaded_answer(answer: Any) -> Any:
     """``answer`` when it is one the worker gives after loading its target."""
     from tyingspec._src.core.adapters import AdapterError
 
-    if isinstance(answer, tuple) and len(answer) == 3 and answer[0] == "loaded" and \
+    if isinstance(answer, tuple) and len(answer) == 4 and answer[0] == "loaded" and \
             (answer[1] is None or isinstance(answer[1], str)) and \
-            isinstance(answer[2], list) and all(isinstance(k, str) for k in answer[2]):
+            isinstance(answer[2], list) and all(isinstance(k, str) for k in answer[2]) and \
+            _file_digests(answer[3]):
         return answer
     if isinstance(answer, tuple) and len(answer) == 2 and answer[0] == "error" and \
             isinstance(answer[1], AdapterError):
@@ -384,12 +392,19 @@ def _call_answer(answer: Any) -> Any:
     """``answer`` when it is one the worker gives to a call."""
     from tyingspec._src.core.adapters import AdapterError, Returned
 
-    if isinstance(answer, tuple) and len(answer) == 3 and \
+    if isinstance(answer, tuple) and len(answer) == 4 and \
             isinstance(answer[2], set) and all(isinstance(k, str) for k in answer[2]) and \
+            _file_digests(answer[3]) and \
             ((answer[0] == "ok" and isinstance(answer[1], Returned)) or
              (answer[0] == "error" and isinstance(answer[1], AdapterError))):
         return answer
     raise _Refused(f"an answer to a call of another form: {repr(answer)[:120]}")
+
+
+def _file_digests(x: Any) -> bool:
+    """Whether ``x`` is what the worker says its code read: paths and their digests."""
+    return isinstance(x, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                       for k, v in x.items())
 
 
 def _large(a: Any) -> bool:
@@ -595,6 +610,135 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+# ---- the files a worker's code came from ---------------------------------------------------
+
+#: A file of at least this many bytes (a checkpoint, a data set read as the target loads) is
+#: keyed on what the file system says of it instead of on its bytes: hashing it at every check
+#: would cost what reading it does.
+HASH_BELOW = 1 << 24
+
+
+def digest(path: str) -> str | None:
+    """What the file ``path`` holds now: a hash of its bytes; for a file of ``HASH_BELOW``
+    bytes or more its device, inode, size, modification and change times (the change time is
+    set by the kernel at every write, and by no ``os.utime``, ``cp -p`` or ``rsync -t``);
+    ``"missing"`` when there is none; None when it is not a regular file (a directory, a pipe,
+    a device: nothing whose content the code came from)."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except OSError as exc:
+        return f"unreadable:{exc.errno}"
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    if st.st_size >= HASH_BELOW:
+        return f"stat:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(HASH_BELOW)
+    except OSError as exc:
+        return f"unreadable:{exc.errno}"
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def unchanged(sources: Mapping[str, str]) -> bool:
+    """Whether every file of ``sources`` (path: :func:`digest` as it was read) holds what it
+    held.  Reads the files' bytes, and imports and runs nothing of them."""
+    return all(digest(path) == was for path, was in sources.items())
+
+
+def _installed_dirs() -> tuple[str, ...]:
+    """Where code lives that is not the user's: the standard library (and the folder that
+    holds it) and site-packages of each prefix this interpreter has, tyingspec's own package,
+    and the kernel's file systems (each as given and as its real path, with a trailing
+    separator: a prefix of what is inside)."""
+    import site
+    import sysconfig
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    dirs = {here, "/dev", "/proc", "/sys"}
+    for base in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}:
+        where = sysconfig.get_paths(vars={"base": base, "platbase": base, "installed_base": base,
+                                          "installed_platbase": base})
+        dirs.update(where[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+        # beside the standard library: its zip (python311.zip), which imports look for
+        dirs.update(os.path.dirname(where[k]) for k in ("stdlib", "platstdlib"))
+    dirs.update(getattr(site, "getsitepackages", list)())
+    if site.ENABLE_USER_SITE:
+        dirs.add(site.getusersitepackages())
+    return tuple(sorted({os.path.join(f(d), "") for d in dirs
+                         for f in (os.path.abspath, os.path.realpath)}))
+
+
+#: Folders whose files are no source of the worker's code wherever they are.
+_NOT_SOURCES = ("__pycache__", ".dist-info", ".egg-info")
+
+
+class _Sources:
+    """The worker's record of what its code came from outside the installed environment: each
+    module it imported from there and each file it opened there to read (a sibling module, a
+    config file read at import, one read at a call), with the file's :func:`digest` as it was
+    read.  The parent keeps the worker for the next ``tyingspec.check`` only while every one of
+    them still holds that (see :mod:`engine.warm`).  An audit hook sees each ``open`` (added
+    before the target is imported; a hook cannot be removed, so it stays for the worker's
+    life); a module whose cached bytecode was current was imported without opening its
+    source, so the modules are read too, whenever there are more of them."""
+
+    def __init__(self) -> None:
+        self.skip = _installed_dirs()
+        self.seen: set[str] = set()
+        self.found: dict[str, str] = {}  # read since the last answer
+        self.modules = 0
+        self.lock = threading.Lock()  # a thread of the target's may open a file as take() runs
+
+    def opened(self, event: str, args: tuple[Any, ...]) -> None:
+        """The audit hook: note a file opened to read (not one opened to write: what the code
+        writes is not what it came from)."""
+        if event != "open" or isinstance(args[0], int):  # an open file descriptor
+            return
+        mode = args[1] if len(args) > 1 else None
+        flags = args[2] if len(args) > 2 else 0
+        if isinstance(mode, str):  # open(), io.open_code, FileIO
+            if any(c in mode for c in "wax+"):
+                return
+        elif not isinstance(flags, int) or flags & (os.O_WRONLY | os.O_RDWR):  # os.open
+            return
+        try:
+            path = os.fsdecode(os.fspath(args[0]))
+        except TypeError:
+            return
+        # a module's cached bytecode is its source's (noted as a module), and an installed
+        # distribution's metadata (read by importlib.metadata) is the environment's
+        if not os.path.basename(os.path.dirname(path)).endswith(_NOT_SOURCES):
+            self.note(os.path.abspath(path))
+
+    def note(self, path: str) -> None:
+        if path in self.seen or path.startswith(self.skip):
+            return
+        self.seen.add(path)  # first: digest's own open comes back here
+        found = digest(path)
+        if found is not None:
+            with self.lock:
+                self.found[path] = found
+
+    def take(self) -> dict[str, str]:
+        """What was read since the last answer, the source of every module imported since
+        included; forgotten here once taken (the parent keeps it)."""
+        if len(sys.modules) != self.modules:
+            self.modules = len(sys.modules)
+            for module in list(sys.modules.values()):
+                try:  # past a lazy module's own __getattribute__, which would import it
+                    where = object.__getattribute__(module, "__dict__").get("__file__")
+                except Exception:  # noqa: BLE001  (anything may sit in sys.modules)
+                    continue
+                if isinstance(where, str):
+                    self.note(os.path.abspath(where))
+        with self.lock:
+            found, self.found = self.found, {}
+        return found
+
+
 def _serve(conn: Connection, spec: str, kind: str, paths: tuple[str, ...]) -> None:
     """The worker's loop: import the target once, then answer calls until told to stop; then
     end whatever the target forked (see :func:`_end_group`)."""
@@ -615,10 +759,12 @@ def _load_and_answer(conn: Connection, spec: str, kind: str, paths: tuple[str, .
     from tyingspec._src.kinds.table import KINDS, fitting, resolve
 
     table = KINDS[kind]
+    sources = _Sources()
+    sys.addaudithook(sources.opened)  # before the target's import: it sees what that reads
     try:
         fn = resolve(spec, kind)
         problem, fits = fitting(fn, kind)
-        _send(conn, spec, ("loaded", problem, fits))
+        _send(conn, spec, ("loaded", problem, fits, sources.take()))
     except AdapterError as exc:
         _send(conn, spec, ("error", exc))
         return
@@ -627,16 +773,17 @@ def _load_and_answer(conn: Connection, spec: str, kind: str, paths: tuple[str, .
         return
     attached: dict[str, Any] = {}  # the parent's blocks, mapped once
     try:
-        _answer(conn, spec, fn, table, attached)
+        _answer(conn, spec, fn, table, attached, sources)
     finally:
         _release(attached, unlink=False)
 
 
 def _send(conn: Connection, spec: str, answer: tuple[Any, ...], *,
-          kept: set[str] | None = None) -> None:
-    """Send ``answer`` as a frame (see :func:`_encode`), the answer to a call when ``kept``
-    (the blocks whose views the adapter kept) is given.  One the channel cannot carry goes as
-    the AdapterError that says what it held: the worker never falls back to a pickle."""
+          tail: tuple[Any, ...] | None = None) -> None:
+    """Send ``answer`` as a frame (see :func:`_encode`), the answer to a call when ``tail``
+    (what follows its result: the blocks whose views the adapter kept, the files read since
+    the last answer) is given.  One the channel cannot carry goes as the AdapterError that says
+    what it held: the worker never falls back to a pickle."""
     from tyingspec._src.core.adapters import AdapterError
 
     try:
@@ -645,15 +792,16 @@ def _send(conn: Connection, spec: str, answer: tuple[Any, ...], *,
         error = AdapterError(spec, "gave the worker something it cannot send to tyingspec",
                              expected="plain data (numbers, strings, containers, numeric "
                                       "arrays)", got=str(exc))
-        frame = _encode(("error", error) if kept is None else ("error", error, kept))
+        frame = _encode(("error", error) if tail is None else ("error", error, *tail))
     conn.send_bytes(frame)
 
 
-def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str, Any]
-            ) -> None:
-    """Answer calls until told to stop.  A large dE goes back in a new block, under the name
-    the parent chose for the call: the parent takes the block over, and can unlink that name
-    whatever becomes of this process."""
+def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str, Any],
+            sources: _Sources) -> None:
+    """Answer calls until told to stop, each answer with the files the worker's code read
+    since the last (see :class:`_Sources`).  A large dE goes back in a new block, under the
+    name the parent chose for the call: the parent takes the block over, and can unlink that
+    name whatever becomes of this process."""
     # blocks the adapter kept a view of, each with a weak reference to that view: mapped while
     # it is alive (closing a block unmaps it under any array still viewing it)
     held: list[tuple[Any, Any]] = []
@@ -673,12 +821,13 @@ def _answer(conn: Connection, spec: str, fn: Any, table: Any, attached: dict[str
             _release(gone, unlink=False)
             result, sent, offered, dropped, keep_to = message
             _release([results.pop(n) for n in dropped if n in results], unlink=False)
-            reply, block = _call(spec, fn, table, (result, sent),
-                                 {n: results[n] for n in offered if n in results},
-                                 attached, held)
+            answer, block = _call(spec, fn, table, (result, sent),
+                                  {n: results[n] for n in offered if n in results},
+                                  attached, held)
+            reply = (*answer, sources.take())
             new = block is not None and block.name not in results
             try:
-                _send(conn, spec, reply, kept=reply[2])
+                _send(conn, spec, reply, tail=reply[2:])
             except BaseException:
                 if new:  # never the parent's: its name is unlinked there, unread
                     block.close()
@@ -753,7 +902,10 @@ def _own_group() -> None:
     """Make this worker the leader of a process group of its own, which whatever its target
     forks joins: one ``killpg`` ends them all.  Out of the terminal's foreground group, the
     worker no longer gets a Ctrl-C or a hang-up: the parent decides when it ends.  A SIGTERM
-    (``Process.terminate``) ends the whole group too."""
+    (``Process.terminate``) ends the whole group too.  A child that leaves the group (a
+    ``setsid()``, ``start_new_session=True``, a daemon's double fork) stays below the worker,
+    a subreaper (see :func:`_adopt_orphans`), where :func:`_end_below` finds it."""
+    _adopt_orphans()
     if not hasattr(os, "setpgrp"):
         return
     try:
@@ -763,28 +915,110 @@ def _own_group() -> None:
     signal.signal(signal.SIGTERM, _end_group_on_signal)
 
 
+def _adopt_orphans() -> None:
+    """On Linux, make this worker a child subreaper (``PR_SET_CHILD_SUBREAPER``): a process its
+    target forked whose parent has gone is then the worker's child, not init's, so it stays in
+    the worker's tree, however it left the worker's group."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _processes() -> list[tuple[int, int, int]] | None:
+    """(pid, parent's pid, process group) of every process that runs (a zombie has ended),
+    read from ``/proc``; None where there is none (then a worker's group alone is ended)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    table = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                # the command's name, in parentheses, may hold spaces and parentheses itself
+                state, ppid, group = f.read().rpartition(b")")[2].split()[:3]
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if state not in (b"Z", b"X"):
+            table.append((int(name), int(ppid), int(group)))
+    return table
+
+
+def _below(root: int, table: list[tuple[int, int, int]]) -> set[int]:
+    """The processes of ``table`` below ``root`` (its children, theirs, ...) or in its process
+    group, and theirs, ``root`` left out."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid, _ in table:
+        children.setdefault(ppid, []).append(pid)
+    found = {pid for pid, _, group in table if group == root}
+    todo = [root, *found]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    found.discard(root)
+    return found
+
+
+def _end_below(root: int) -> None:
+    """SIGKILL every process below ``root`` or in its group (see :func:`_below`) while
+    ``root`` is still there to hold them, again until none runs (one may fork as it dies).
+    A pid read from the table is signalled microseconds later, while the process it named is
+    still unreaped below ``root`` (only its parent, in that tree, could reap it meanwhile)."""
+    for _ in range(20):
+        table = _processes()
+        below = set() if table is None else _below(root, table)
+        if not below:
+            return
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # gone meanwhile
+                pass
+        time.sleep(0.005)
+
+
 def _end_group_on_signal(signum: int, frame: FrameType | None) -> None:
     _end_group()
 
 
 def _end_group() -> None:
-    """The worker's last act: SIGKILL its process group, itself included, so that nothing its
-    target forked outlives it, even when the parent was killed (the worker then reads the
-    end of the pipe).  Its answers are in the pipe already; its output is flushed first."""
-    if not hasattr(os, "killpg") or os.getpgrp() != os.getpid():
-        return  # not a group of its own: the group is its parent's
+    """The worker's last act: SIGKILL every process below it (see :func:`_end_below`), reap
+    those that were its children, then SIGKILL its process group, itself included, so that
+    nothing its target forked outlives it, even when the parent was killed (the worker then
+    reads the end of the pipe).  Its answers are in the pipe already; its output is flushed
+    first."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):  # closed by the target, or None
             pass
+    _end_below(os.getpid())
+    try:  # no zombie left to an init that may never reap it
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except (ChildProcessError, AttributeError):
+        pass
+    if not hasattr(os, "killpg") or os.getpgrp() != os.getpid():
+        return  # not a group of its own: the group is its parent's
     os.killpg(os.getpid(), signal.SIGKILL)
 
 
 def _kill(proc: _Process) -> None:
-    """SIGKILL the process group of the worker ``proc`` (what its target forked, and the
+    """SIGKILL what the worker ``proc`` started (see :func:`_end_below`: those that left its
+    group too, while the worker still holds them), its process group (what is left, and the
     worker), then the worker itself (should it have left that group)."""
     pgid = proc.pid
+    if not proc.reaped:  # else its pid, whose tree this would walk, may be another's by now
+        _end_below(pgid)
     if hasattr(os, "killpg") and pgid not in (None, 0, 1, os.getpgrp()):
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -920,6 +1154,11 @@ class _Process:
     def is_alive(self) -> bool:
         return self._popen.poll() is None
 
+    @property
+    def reaped(self) -> bool:
+        """Whether it has been waited for (what :meth:`is_alive` does once it has exited)."""
+        return self._popen.returncode is not None
+
     def join(self, timeout: float | None = None) -> None:
         try:
             self._popen.wait(timeout)
@@ -1026,6 +1265,9 @@ class Worker:
     paths: tuple[str, ...] = ()  # put first on the worker's sys.path (where user code lives)
     signature_problem: str | None = None
     fits: list[str] = field(default_factory=list)
+    # the files the running worker's code came from, each with its digest as it was read
+    # (see :class:`_Sources`): what :meth:`current` compares with the files as they are
+    sources: dict[str, str] = field(default_factory=dict)
     _proc: _Process | None = None
     _conn: Connection | None = None
     _loading: float | None = None  # the load's deadline while its answer is still to come
@@ -1048,6 +1290,7 @@ class Worker:
         install_signal_cleanup()
         self._results.clear()  # a worker's result blocks are its own; a new one holds none
         self._offered, self._dropped = (), []
+        self.sources = {}  # a new worker reads its code afresh
         proc, parent = _early((self.spec, self.kind, tuple(self.paths), float(self.timeout))) \
             or _start(self.spec, self.kind, self.paths, self.timeout)
         self._proc, self._conn = proc, parent
@@ -1066,7 +1309,8 @@ class Worker:
         if reply[0] == "error":
             self.stop()
             raise reply[1]
-        _, self.signature_problem, self.fits = reply
+        _, self.signature_problem, self.fits, found = reply
+        self.sources.update(found)
         return True
 
     def start(self) -> None:
@@ -1238,8 +1482,9 @@ class Worker:
         (inputs, written), self._sent = self._sent, None
         # no answer (a timeout, a dead worker, a refused one): stop() has reaped the worker
         # and unlinked the result block, or will (an interrupt)
-        status, payload, kept = self._receive(deadline, self.timeout, "running the call",
-                                              _call_answer)
+        status, payload, kept, found = self._receive(deadline, self.timeout, "running the call",
+                                                     _call_answer)
+        self.sources.update(found)
         result, self._result = self._result, None
         try:
             if status == "error":
@@ -1275,6 +1520,22 @@ class Worker:
         if names:
             _release([b for b in self._pool if b.name in names], unlink=True)
             self._pool = [b for b in self._pool if b.name not in names]
+
+    def current(self) -> bool:
+        """Whether the worker runs, loaded, and every file its code came from (:attr:`sources`)
+        still holds what it held when read: a check may then reuse it."""
+        proc = self._proc
+        return proc is not None and proc.is_alive() and self._loading is None and \
+            unchanged(self.sources)
+
+    def strays(self) -> bool:
+        """Whether a process the worker's code started still runs: a child its target forked
+        and left (or one that left the worker's process group)."""
+        proc = self._proc
+        if proc is None or not proc.is_alive():
+            return False
+        table = _processes()
+        return table is not None and bool(_below(proc.pid, table))
 
     def outranks(self) -> bool:
         """Whether the worker runs at a higher scheduling priority than this thread (the

@@ -2,21 +2,27 @@
 a user's own tests, a notebook, a loop over configurations).
 
 Starting a worker imports the user's module, and torch with it: seconds, paid once per process
-instead of once per check.  A target is reused only while its source is unchanged: the files of
-its top-level module (every ``.py`` of a package) are stamped by modification time when it is
-loaded, and a later edit loads it afresh, so a notebook that fixes its kernel and checks again
-never judges the old code.  The stamp is read without importing anything, so no user code runs
-in this process.  A worker that crashed or timed out restarts itself on its next call
-(:class:`engine.isolation.Worker`); every kept worker is stopped at exit.
+instead of once per check.  A target is reused only while what its code came from is what is on
+disk now: the worker records every module it imported from outside the installed environment
+(the user's own, a sibling helper included) and every file its code opened there to read (a
+config read at import), each with a digest of its bytes as it was read
+(:class:`engine.isolation._Sources`), and a check reuses the worker only when every one of them
+still holds those bytes.  Content, not modification times: a helper edited under a kept mtime, a
+module replaced by a copy that keeps an old one (``cp -p``, ``rsync -t``) and a changed config
+all load afresh, so a notebook that fixes its kernel and checks again never judges the old code.
+The digests are read in this process without importing anything, so no user code runs here.
+A worker that died or timed out is loaded afresh too.
+
+A check ends what it started: a kept worker whose target left a process of its own running (a
+child it forked, one that left the worker's process group) is stopped with it at the end of the
+check (:meth:`WarmTargets.settle`), and the next check loads afresh.  Every kept worker is
+stopped at exit.
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib.machinery
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from tyingspec._src.core.cases import Case
 from tyingspec._src.engine.observe import PrecisionChoice, Target, load
@@ -24,44 +30,34 @@ from tyingspec._src.engine.observe import PrecisionChoice, Target, load
 Key = tuple[str, str, str, float, tuple[str, ...]]
 
 
-def source_stamp(spec: str, paths: Sequence[str]) -> tuple[str, int] | None:
-    """Where ``spec``'s top-level module lives and the newest modification time among its
-    files; None when it cannot be found without importing (a built-in name, a namespace)."""
-    if ":" not in spec:
-        return None
-    top = spec.partition(":")[0].split(".")[0]
-    found = importlib.machinery.PathFinder.find_spec(top, [*paths, *sys.path])
-    if found is None or not found.origin or found.origin in ("built-in", "frozen"):
-        return None
-    origin = Path(found.origin)
-    files = list(origin.parent.rglob("*.py")) if found.submodule_search_locations else [origin]
-    try:
-        return str(origin), max((f.stat().st_mtime_ns for f in files), default=0)
-    except OSError:
-        return None
-
-
 class WarmTargets:
-    """Targets by (spec, kind, precision, timeout, paths), each with the stamp it was loaded at."""
+    """Targets by (spec, kind, precision, timeout, paths), each kept while its code is current."""
 
     def __init__(self) -> None:
-        self._kept: dict[Key, tuple[Target, tuple[str, int] | None]] = {}
+        self._kept: dict[Key, Target] = {}
 
     def get(self, spec: str, kind: str, precision: PrecisionChoice, *, timeout: float,
             paths: tuple[str, ...], prepare: Sequence[Case] = ()) -> Target:
         """The loaded target, or a fresh one (its load errors raise, as :func:`load`'s)."""
         key: Key = (spec, kind, precision, timeout, paths)
-        stamp = source_stamp(spec, paths)
-        kept = self._kept.get(key)
-        if kept is not None:
-            target, was = kept
-            if stamp == was:
+        target = self._kept.pop(key, None)
+        if target is not None:
+            # a built-in runs in this process: tyingspec's own code, nothing to go stale
+            if target.worker is None or target.worker.current():
+                self._kept[key] = target
                 return target
-            del self._kept[key]
-            target.close()  # its source changed: the next check runs the code as it is now
+            target.close()  # what it came from changed: the next check runs the code as it is
         target = load(spec, kind, precision, timeout=timeout, paths=paths, prepare=prepare)
-        self._kept[key] = (target, stamp)
+        self._kept[key] = target
         return target
+
+    def settle(self, target: Target) -> None:
+        """At the end of a check of ``target``: stop its worker, and forget it, when a process
+        its code started still runs (the worker's own end kills them all)."""
+        if target.worker is not None and target.worker.strays():
+            for key in [k for k, kept in self._kept.items() if kept is target]:
+                del self._kept[key]
+            target.close()
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -69,7 +65,7 @@ class WarmTargets:
     def close(self) -> None:
         """Stop every kept worker."""
         kept, self._kept = self._kept, {}
-        for target, _ in kept.values():
+        for target in kept.values():
             target.close()
 
 

@@ -364,4 +364,6 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = Non
     finally:
         if warm is None:
             target.close()
+        else:
+            warm.settle(target)  # what the target started ends with the check
     return report
