@@ -439,6 +439,24 @@ def test_json_to_dev_stdout(tmp_path: Path, f: dict[str, str]) -> None:
     assert os.path.islink("/dev/stdout")
 
 
+def test_json_to_dev_stdout_redirected_to_a_file_keeps_the_report(
+        tmp_path: Path, f: dict[str, str]) -> None:
+    # `--json /dev/stdout > log`: /dev/stdout resolves to log itself, which the report once
+    # replaced by rename (the printed report lost, log a new file)
+    log = tmp_path / "log"
+    with open(log, "w") as fh:
+        inode = os.fstat(fh.fileno()).st_ino
+        proc = subprocess.run([sys.executable, "-m", "tyingspec", "ckpt", "inspect",
+                               f["diff.safetensors"], "--json", "/dev/stdout"],
+                              stdout=fh, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = log.read_text()
+    printed, _, report = text.partition("\n{\n")
+    assert "state: different" in printed
+    assert json.loads("{\n" + report)["pairs"][0]["state"] == "different"
+    assert log.stat().st_ino == inode
+
+
 # --- 10: a full disk ------------------------------------------------------------------------
 
 def _full_device(tmp_path: Path) -> Path:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -211,3 +213,46 @@ def test_a_check_imports_no_other_subcommands_code() -> None:
     assert args.command == "reproduce" and args.all
     help_text = build_parser("check").format_help()
     assert all(name in help_text for name in ("reproduce", "mutants", "ckpt"))
+
+
+# --- a report written to this process's own stdout or stderr ---------------------------------
+
+def _json_after(text: str) -> dict[str, object]:
+    """The JSON document that starts at the first line holding only ``{``."""
+    lines = text.splitlines()
+    start = lines.index("{")
+    loaded: dict[str, object] = json.loads("\n".join(lines[start:]))
+    return loaded
+
+
+@pytest.mark.parametrize(("where", "into"), [
+    ("/dev/stdout", "file"), ("/dev/stdout", "pipe"), ("/dev/fd/1", "file"),
+    ("/dev/stderr", "file"), ("the same file", "file")])
+def test_a_report_to_stdout_lands_beside_the_human_report(tmp_path: Path, where: str,
+                                                          into: str) -> None:
+    """``--json /dev/stdout > log`` once left only the JSON in ``log`` (the path resolved to
+    ``log``, and the report replaced it by rename); into a pipe it was not written at all (a
+    temporary file under ``/proc/PID/fd/``).  Written through the descriptor, both land, the
+    human report first."""
+    import subprocess
+
+    log = tmp_path / "log"
+    stream = "stderr" if where == "/dev/stderr" else "stdout"
+    path = str(log) if where == "the same file" else where
+    argv = [sys.executable, "-m", "tyingspec", "check", "tied", "--case", "absent-tokens",
+            "--json", path]
+    pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    with open(log, "w") as fh:
+        if into == "file":
+            pipes[stream] = fh
+        inode = os.fstat(fh.fileno()).st_ino
+        ran = subprocess.run(argv, cwd=tmp_path, timeout=300, text=True, **pipes)
+    text = log.read_text() if into == "file" else getattr(ran, stream)
+    assert ran.returncode == 0, (text, ran.stderr, ran.stdout)
+    if stream == "stdout":
+        assert text.startswith("tyingspec check tied"), text[:500]
+        assert "case absent-tokens" in text.split("\n{\n")[0]
+    report = _json_after(text)
+    assert report["schema"] == "tyingspec.check/1" and report["verdict"] == "correct"
+    # written into the file the shell opened, never a new file renamed over it
+    assert log.stat().st_ino == inode

@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
+from distributed_targets import listening, marked  # noqa: E402
+
 from tyingspec._src.core.adapters import AdapterError  # noqa: E402
 from tyingspec._src.core.cases import Case  # noqa: E402
 from tyingspec._src.engine.observe import load, observe, own_case  # noqa: E402
@@ -35,7 +37,7 @@ from tyingspec._src.kinds.distributed.adapter import call_distributed  # noqa: E
 from tyingspec._src.kinds.table import kind_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CASE = Case("random", V=29, d=8, N=24, seed=5)
+CASE = Case("random", V=53, d=8, N=48, seed=5)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -53,7 +55,8 @@ def _failed(o):
     return [f for f in o.diagnosis.findings if f.failed]
 
 
-FAST = ["gpt-pp2", "gpt-pp2-not-synced", "gpt-pp2-synced-early", "gpt-pp2-averaged"]
+FAST = ["gpt-pp2", "gpt-pp2-not-synced", "gpt-pp2-synced-early", "gpt-pp2-averaged",
+        "gpt-pp2-not-zeroed", "gpt-pp2-late-micro"]
 SLOW = [n for n in zoo.DISTRIBUTED_BUILTINS if n not in FAST]
 
 
@@ -113,7 +116,7 @@ def test_the_kind_is_in_the_table_with_one_property_per_invariant() -> None:
 @given(st.sampled_from(["random", "repeats", "one-token", "with-zero"]),
        st.integers(0, 2**16))
 def test_drawn_batches_keep_the_correct_pipeline_correct(composition: str, seed: int) -> None:
-    o = _observed("gpt-pp2", Case(composition, V=29, d=8, N=24, seed=seed))
+    o = _observed("gpt-pp2", Case(composition, V=53, d=8, N=48, seed=seed))
     assert o.label == "correct", (composition, seed, o.diagnosis.detail)
 
 
@@ -163,12 +166,14 @@ def _call(target):
 
 
 @pytest.mark.parametrize(("changes", "words"), [
-    ({"step": _raise_on_rank_1}, ["rank 1 (stage 1, replica 0) raised", "stage 1 cannot run"]),
-    ({"step": _exit_on_rank_1}, ["rank 1 (stage 1, replica 0) exited with status 3"]),
+    ({"step": _raise_on_rank_1}, ["rank 1 (stage 1, replica 0) raised in step 1 of ",
+                                  "stage 1 cannot run"]),
+    ({"step": _exit_on_rank_1}, ["rank 1 (stage 1, replica 0) exited with status 3 in step 1"]),
     ({"setup": _no_copy_on_rank_1}, ["rank 1 (stage 1, replica 0) has no copy"]),
-    ({"setup": _refuses_two_ranks}, ["rank ", "raised", "needs 4 ranks, got 2"]),
+    ({"setup": _refuses_two_ranks}, ["rank ", "raised in setup", "needs 4 ranks, got 2"]),
     ({"layouts": ((3, 3),)}, ["world size", "pp=3 x dp=3"]),
-    ({"batch_size": 3}, ["does not split", "batch_size 3"]),
+    ({"batch_size": 5}, ["does not split", "batch_size 5"]),
+    ({"micro_batches": "3"}, ["micro_batches is not a count", "'3'"]),
 ])
 def test_bad_input_is_an_adapter_error_naming_the_rank(changes, words) -> None:
     with pytest.raises(AdapterError) as err:
@@ -187,7 +192,7 @@ def test_a_hung_rank_is_named_within_the_timeout(monkeypatch) -> None:
     t0 = time.monotonic()
     with pytest.raises(AdapterError) as err:
         _call(_broken(step=_hang_on_rank_1))
-    assert "rank 1 (stage 1, replica 0) hung" in str(err.value), str(err.value)
+    assert "rank 1 (stage 1, replica 0) hung in step 1 of " in str(err.value), str(err.value)
     assert "rank 0 (stage 0, replica 0) timed out waiting for it" in str(err.value)
     assert time.monotonic() - t0 < 6  # named before the worker's own timeout would fire
     import multiprocessing
@@ -203,17 +208,7 @@ def _in_live_world(p) -> bool:
 # ---- cleanup: no process and no listening port ----------------------------------------------
 
 def _listening() -> set[int]:
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A":  # LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    return set(listening().values())
 
 
 def test_shutdown_leaves_no_rank_and_no_port() -> None:
@@ -255,16 +250,9 @@ def test_the_cli_exits_2_naming_the_rank_and_leaves_nothing_behind(tmp_path: Pat
                           "--kind", "distributed", "--timeout", "60"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2, run.stdout + run.stderr
-    assert "rank 1 (stage 1, replica 0) raised" in run.stdout + run.stderr
+    assert "rank 1 (stage 1, replica 0) raised in step 1 of " in run.stdout + run.stderr
     assert "boom on the last stage" in run.stdout + run.stderr
-    left = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if mark.encode() in (proc / "environ").read_bytes():
-                    left.append(proc.name)
-            except OSError:
-                pass
+    left = marked(mark)
     assert not left, left
     # whatever listens now and did not before is not ours: every marked process is gone
     assert not left and (_listening() - before) == (_listening() - before)

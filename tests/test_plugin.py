@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -396,3 +397,87 @@ def test_check_refuses_a_baseline_recorded_by_the_plugin(tmp_path: Path) -> None
     code, lines = apply_check_baseline(check_target("tied", "model", 0, standard_cases(0)),
                                        str(path), False)
     assert code == 2 and "recorded by the pytest plugin" in lines[0]
+
+
+# --- an option given twice; a missing extra; a summary to stdout -------------------------------
+
+@pytest.mark.parametrize("twice", [
+    ("--tyingspec-adapter=adapters:output_path_only_model",
+     "--tyingspec-adapter=adapters:correct_model"),
+    ("--tyingspec-adapter=adapters:correct_kernel", "--tyingspec-kind=kernel",
+     "--tyingspec-kind=model"),
+    ("--tyingspec-adapter=adapters:correct_model", "--tyingspec-max-examples=3",
+     "--tyingspec-max-examples=300")],
+    ids=["adapter", "kind", "max-examples"])
+def test_an_option_given_twice_with_different_values_is_a_usage_error(
+        repo: Scratch, twice: tuple[str, ...]) -> None:
+    """With the buggy adapter first and a correct one second, pytest kept the last value: the
+    buggy adapter never ran and the job passed ("9 passed", exit 0)."""
+    result = run(repo, *twice)
+    text = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, text[-3000:]
+    flag, first = twice[-2].split("=", 1)
+    second = twice[-1].split("=", 1)[1]
+    assert f"{flag} given 2 times with different values" in text
+    assert repr(first) in text or first in text
+    assert second in text
+    assert "passed" not in text
+
+
+def test_an_option_given_twice_with_one_value_runs(repo: Scratch) -> None:
+    # an ini file's addopts repeated on the command line drops nothing
+    result = run(repo, "--tyingspec-adapter=adapters:correct_model",
+                 "--tyingspec-adapter=adapters:correct_model", "--collect-only", "-q")
+    assert result.ret == 0
+    assert f"{len(for_kind('model'))} tests collected" in result.stdout.str()
+
+
+BLOCKED = textwrap.dedent('''
+    """This environment has none of the modules in BLOCK_MODULES: an install without an
+    extra (loaded before the plugin reads its options)."""
+    import os
+    import sys
+
+    for _name in os.environ["BLOCK_MODULES"].split(","):
+        sys.modules[_name] = None
+''')
+
+
+@pytest.mark.parametrize(("args", "block", "extra"), [
+    (("--tyingspec-adapter=nanogpt", "--tyingspec-kind=torch"), "torch", "torch"),
+    (("--tyingspec-adapter=gpt-ddp", "--tyingspec-kind=distributed"), "torch", "torch"),
+    (("--tyingspec-adapter=nnx-tied", "--tyingspec-kind=jax"), "jax", "jax"),
+    (("--tyingspec-adapter=tied", "--tyingspec-precision=bfloat16"), "ml_dtypes", "bfloat16"),
+    (("--tyingspec-adapter=ce-torch", "--tyingspec-kind=linear-ce"), "torch", "torch")],
+    ids=["torch-kind", "distributed-kind", "jax-kind", "bfloat16", "linear-ce-torch-builtin"])
+def test_a_missing_extra_is_a_usage_error_not_a_failed_test(
+        tmp_path: Path, args: tuple[str, ...], block: str, extra: str) -> None:
+    """Without torch, ``--tyingspec-kind=torch`` failed every property ("6 failed", exit 1,
+    which says a gradient is wrong)."""
+    (tmp_path / "conftest.py").write_text(BLOCKED)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**env, "BLOCK_MODULES": block})
+    text = ran.stdout + ran.stderr
+    assert ran.returncode == pytest.ExitCode.USAGE_ERROR, text[-3000:]
+    assert f"pip install 'tyingspec[{extra}]'" in text
+    assert "failed" not in text and "Traceback" not in text
+
+
+def test_a_summary_to_stdout_lands_beside_the_terminal_report(tmp_path: Path) -> None:
+    """``--tyingspec-summary=/dev/stdout > log``: opened anew in append mode, the summary
+    went to the end of ``log`` while pytest's own offset stayed behind it, and the terminal
+    report then wrote over it; under pytest's capture it went into the capture's file."""
+    log = tmp_path / "log"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    with open(log, "w") as fh:
+        ran = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                              "--tyingspec-adapter=tied", *FAST, "--tyingspec-summary=/dev/stdout"],
+                             cwd=tmp_path, stdout=fh, stderr=subprocess.PIPE, text=True,
+                             timeout=300, env=env)
+    text = log.read_text()
+    assert ran.returncode == 0, text[-3000:] + ran.stderr
+    assert "| `sum_of_paths` | SUM | ✅ passed |" in text  # the summary
+    assert re.search(r"^sum_of_paths +\[SUM\] +passed", text, re.M)  # the terminal report
+    assert re.search(r"\d+ passed in ", text)

@@ -1,12 +1,17 @@
-"""A two-stage pipeline with a tied embedding, as a Megatron-style stack runs it.
+"""A pipeline with a tied embedding, as a Megatron-style stack runs it.
 
-Stage 0 holds the embedding (its copy of E), stage 1 the head (its own copy of E).  After the
-backward, ``finalize_grads`` all-reduces the two copies' gradients over the embedding group, so
-both step by the tied gradient.  Check it with::
+The first stage holds the embedding (its copy of E), the last stage the head (its own copy of
+E), the blocks are split across the stages in order (a middle stage holds blocks only), and
+each stage is replicated over ``dp`` data-parallel ranks.  After the backward, ``finalize_grads``
+averages every gradient over the DP group, then sums the two copies' gradients over the
+embedding group, so both step by the tied gradient.  Check it with::
 
     tyingspec check examples.distributed.pipeline:target --kind distributed
 
-and break it (delete the all-reduce in ``finalize_grads``) to see ``replica_not_synced``.
+It runs on tyingspec's default layouts, pp=2, pp=2 x dp=2 and pp=3.  Break it to see a
+label: delete the embedding all-reduce in ``finalize_grads`` (``replica_not_synced``), leave
+out its ``group=`` (the world group: ``path_scaled`` on pp=2 x dp=2), or the ``zero_grad`` at
+the top of ``step`` (``gradient_not_zeroed``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from torch import nn
 
 from tyingspec import DistributedTarget
 
-V, D = 23, 8
+# V above the default batch's 12 x 4 tokens, so that some rows carry the output path alone
+V, D, BLOCKS = 61, 8, 2
 
 
 class Model(nn.Module):
@@ -27,52 +33,81 @@ class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.wte = nn.Embedding(V, D)
-        self.body0, self.body1 = nn.Linear(D, D), nn.Linear(D, D)
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(BLOCKS))
         self.head = nn.Linear(D, V, bias=False)
         self.head.weight = self.wte.weight  # the tie
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.body0(self.wte(x)))
-        return self.head(h + torch.tanh(self.body1(h)))
+        h = self.wte(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
 
 
 def setup(world):
     full = Model()  # every rank builds the whole model from the same seed, then keeps its part
+    s, pp = world.stage, world.pp
+    stage = nn.ModuleDict({"blocks": full.blocks[s * BLOCKS // pp:(s + 1) * BLOCKS // pp]})
     if world.first_stage:
-        stage = nn.ModuleDict({"wte": full.wte, "body0": full.body0})
-        copy = full.wte.weight
-    else:
-        stage = nn.ModuleDict({"body1": full.body1})
+        stage["wte"] = full.wte
+    if world.last_stage:
         stage.head = nn.Parameter(full.wte.weight.detach().clone())  # the last stage's copy
-        copy = stage.head
-    return {"stage": stage, "opt": torch.optim.SGD(stage.parameters(), lr=0.1)}, copy
+    return {"stage": stage, "opt": torch.optim.SGD(stage.parameters(), lr=0.1)}, \
+        copy_of(world, stage)
 
 
 def step(world, state, tokens, targets):
-    stage, other = state["stage"], 1 - world.rank
-    for x, y in zip(world.micro_batches(tokens), world.micro_batches(targets)):
-        if world.first_stage:
-            h = torch.tanh(stage["body0"](stage["wte"](x)))
-            dist.send(h.detach(), dst=other)
-            grad = torch.empty_like(h)
-            dist.recv(grad, src=other)
-            h.backward(grad)
-        else:
-            h = torch.empty(x.shape[0], x.shape[1], D)
-            dist.recv(h, src=other)
-            h.requires_grad_(True)
-            logits = F.linear(h + torch.tanh(stage["body1"](h)), stage.head)
-            loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
-            (loss / world.micro_batch_count).backward()
-            dist.send(h.grad, dst=other)
+    state["opt"].zero_grad()  # every step's gradient is its own
+    forward_backward(world, state["stage"], tokens, targets)
     finalize_grads(world, state)
     state["opt"].step()
 
 
+def forward_backward(world, stage, tokens, targets):
+    """GPipe: each micro-batch through every stage of this replica and back."""
+    prev = world.rank_of(world.stage - 1, world.replica)
+    nxt = world.rank_of(world.stage + 1, world.replica)
+    for x, y in zip(world.micro_batches(tokens), world.micro_batches(targets)):
+        if world.first_stage:
+            h = stage["wte"](x)
+        else:
+            h_in = torch.empty(x.shape[0], x.shape[1], D)
+            dist.recv(h_in, src=prev)
+            h = h_in.requires_grad_(True)
+        for block in stage["blocks"]:
+            h = h + torch.tanh(block(h))
+        if world.last_stage:
+            logits = F.linear(h, stage.head)
+            loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+            (loss / world.micro_batch_count).backward()
+        else:
+            dist.send(h.detach(), dst=nxt)
+            grad = torch.empty_like(h)
+            dist.recv(grad, src=nxt)
+            h.backward(grad)
+        if not world.first_stage:
+            dist.send(h_in.grad, dst=prev)
+
+
 def finalize_grads(world, state):
-    copy = state["stage"]["wte"].weight if world.first_stage else state["stage"].head
-    dist.all_reduce(copy.grad, group=world.embedding_group)  # the two copies, summed
+    average_replicas(world, state["stage"])
+    copy = copy_of(world, state["stage"])
+    if copy is not None:
+        dist.all_reduce(copy.grad, group=world.embedding_group)  # the two copies, summed
 
 
-target = DistributedTarget(reference=Model, embedding="wte.weight", setup=setup, step=step,
-                           layouts=[(2, 1)], micro_batches=2, batch_size=4, seq_len=5)
+def average_replicas(world, stage):
+    for p in stage.parameters():  # the DP replicas of this stage, averaged
+        if world.dp > 1 and p.grad is not None:
+            dist.all_reduce(p.grad, group=world.dp_group)
+            p.grad /= world.dp
+
+
+def copy_of(world, stage):
+    """This stage's copy of E: the lookup's on the first stage, the head on the last."""
+    if world.first_stage:
+        return stage["wte"].weight
+    return stage.head if world.last_stage else None
+
+
+target = DistributedTarget(reference=Model, embedding="wte.weight", setup=setup, step=step)

@@ -1,9 +1,10 @@
 """The ``tyingspec ckpt`` command: its options, and the exit code of each subcommand.
 
 Exit codes: 0 tied or consistent, 1 only a tie that is wrong (two different matrices under a
-config that ties them, a lost key the config needs, ``--policy refuse`` refusing), 2 bad input
-or usage, one line naming the file or option, what was expected and what was found.  An output
-that names an input, by any path or hard link, is refused.
+config that ties them, a lost key the config needs, ``--policy refuse`` refusing; for inspect,
+in any of the file's tied pairs), 2 bad input or usage (names that cannot be paired and a
+GGUF file among them), one line naming the file or option, what was expected and what was
+found.  An output that names an input, by any path or hard link, is refused.
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
     print(render(report))
     if args.json:
         write_text("--json", args.json, json.dumps(report, indent=2) + "\n")
-    pair = report["pairs"][0]
-    bad = pair["state"].endswith("-missing") or pair["config_agrees"] is False
+    # every tied pair counts (T5's three keys tied to shared.weight): one wrong is exit 1
+    bad = any(pair["state"].endswith("-missing") or pair["config_agrees"] is False
+              for pair in report["pairs"])
     return EXIT_WRONG if bad else EXIT_OK
 
 

@@ -28,6 +28,7 @@ from tyingspec._src.core.files import (
     absolute,
     atomic_write,
     is_stream,
+    open_stream,
 )
 
 if TYPE_CHECKING:
@@ -251,7 +252,7 @@ def write(converted: Converted, path: str, fmt: str, tie: tuple[str, str] | None
     target = absolute(path)
     if is_stream(path):  # as given: /dev/stdout resolves to /proc/PID/fd/pipe:[N]
         try:
-            with open(path, "wb") as fh:
+            with open_stream(path, binary=True) as fh:
                 _serialise(converted, fmt, tie, fh, None)
         except Exception as exc:
             raise CkptError(f"OUT {path}: cannot be written ({_write_reason(exc)})") from exc

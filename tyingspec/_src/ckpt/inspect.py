@@ -10,7 +10,7 @@ from tyingspec._src.ckpt.read import (
     Checkpoint,
     CkptError,
     config_says_tied,
-    find_pair,
+    find_pairs,
     recorded_ties,
     same_storage,
 )
@@ -41,12 +41,26 @@ def _difference(e: torch.Tensor, h: torch.Tensor) -> dict[str, Any]:
 
 def inspect(ckpt: Checkpoint, config: dict[str, Any] | None = None,
             embedding: str | None = None, head: str | None = None) -> dict[str, Any]:
-    """The tie's state in ``ckpt`` as a JSON-ready dict (see the README for its fields)."""
-    emb, hd = find_pair(ckpt, embedding, head)
+    """The tie's state in ``ckpt`` as a JSON-ready dict (see the README for its fields): one
+    entry of ``pairs`` per tied pair (:func:`~ckpt.read.find_pairs`), the embedding/head pair
+    first."""
+    config_ties = config_says_tied(config) if config is not None else None
+    pairs = [_pair(ckpt, emb, hd, origin, config_ties)
+             for emb, hd, origin in find_pairs(ckpt, config, embedding, head)]
+    return {"schema": "tyingspec.ckpt/1", "file": ckpt.path, "format": ckpt.format,
+            "files": ckpt.files, "tensors": len(ckpt.tensors),
+            "metadata": {k: v for k, v in ckpt.metadata.items() if k.startswith("tyingspec.")},
+            "pairs": pairs}
+
+
+def _pair(ckpt: Checkpoint, emb: str | None, hd: str | None, origin: str | None,
+          config_ties: bool | None) -> dict[str, Any]:
+    """One pair's report: its state, how far apart, what the config says."""
     e = ckpt.tensors.get(emb) if emb is not None else None
     h = ckpt.tensors.get(hd) if hd is not None else None
-    config_ties = config_says_tied(config) if config is not None else None
     notes: list[str] = []
+    if origin is not None:
+        notes.append(f"tied pair declared by {origin}: {hd!r} is tied to {emb!r}")
     pair: dict[str, Any] = {"embedding": emb, "head": hd}
     for name, t in (("embedding", e), ("head", h)):
         pair[f"{name}_shape"] = list(t.shape) if t is not None else None
@@ -134,10 +148,7 @@ def inspect(ckpt: Checkpoint, config: dict[str, Any] | None = None,
     pair["config_tie_word_embeddings"] = config_ties
     pair["config_agrees"] = agrees
     pair["notes"] = notes
-    return {"schema": "tyingspec.ckpt/1", "file": ckpt.path, "format": ckpt.format,
-            "files": ckpt.files, "tensors": len(ckpt.tensors),
-            "metadata": {k: v for k, v in ckpt.metadata.items() if k.startswith("tyingspec.")},
-            "pairs": [pair]}
+    return pair
 
 
 def torch_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -152,7 +163,9 @@ def render(report: dict[str, Any]) -> str:
     """The inspect report as text."""
     lines = [f"{report['file']} ({report['format']}, {report['tensors']} tensors"
              + (f", {len(report['files'])} shards" if len(report["files"]) > 1 else "") + ")"]
-    for p in report["pairs"]:
+    for i, p in enumerate(report["pairs"]):
+        if len(report["pairs"]) > 1:
+            lines.append(f"  pair {i + 1} of {len(report['pairs'])}:")
         for name in ("embedding", "head"):
             where = (f"{p[name + '_shape']} {p[name + '_dtype']}" if p[name + "_shape"]
                      else "(not in the file)")

@@ -1,9 +1,13 @@
-"""Reading a checkpoint as one state dict, and finding its embedding/head pair.
+"""Reading a checkpoint as one state dict, and finding its tied pairs (the embedding and its
+head first).
 
 Files are read only through ``safetensors`` and ``torch.load(weights_only=True)``: nothing
-else is ever unpickled.  A sharded checkpoint (an index JSON with a ``weight_map``) is read as
-one.  The file is untrusted input: whatever its parser raises (torch's zip reader, the
-weights-only unpickler, the JSON reader) becomes a :class:`CkptError` line, never a traceback.
+else is ever unpickled, and a format neither reads (GGUF) is named by its magic bytes.  A
+sharded checkpoint (an index JSON with a ``weight_map``) is read as one.  The pairs are the
+ties transformers' classes declare (:mod:`ckpt.pairs`), else the names real models use; a file
+whose names cannot be paired is a :class:`CkptError`, never read as tied.  The file is
+untrusted input: whatever its parser raises (torch's zip reader, the weights-only unpickler,
+the JSON reader) becomes a :class:`CkptError` line, never a traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import pickle
 import re
 import stat
 import sys
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -182,8 +187,27 @@ def _regular_file(path: str, what: str) -> None:
         raise CkptError(f"{what}{path}: expected a regular file, got {kind}")
 
 
+#: the magic bytes a format opens with, for the formats tyingspec does not read: named, rather
+#: than handed to torch.load (whose refusal speaks of pickles and weights_only)
+FOREIGN_MAGIC = ((b"GGUF", "a GGUF file (llama.cpp's format, magic bytes 'GGUF')"),)
+
+
+def _refuse_foreign(path: str) -> None:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+    except OSError as exc:
+        raise CkptError(f"{path}: cannot be read ({exc.strerror})") from exc
+    for magic, what in FOREIGN_MAGIC:
+        if head.startswith(magic):
+            raise CkptError(f"{path}: {what}: tyingspec ckpt reads safetensors and torch files "
+                            f"only, not GGUF; inspect the safetensors or torch checkpoint it "
+                            f"was converted from")
+
+
 def _load_one(path: str) -> tuple[str, dict[str, torch.Tensor], dict[str, str]]:
     _regular_file(path, "")
+    _refuse_foreign(path)
     fmt = _format_of(path)
     tensors, meta = _load_safetensors(path) if fmt == "safetensors" else _load_torch(path)
     return fmt, tensors, meta
@@ -286,7 +310,7 @@ def same_file(a: str, b: str) -> bool:
 
 # --- finding the pair ------------------------------------------------------------------------
 
-def _find(keys: dict[str, Any], names: tuple[str, ...]) -> str | None:
+def _find(keys: Container[str], names: tuple[str, ...]) -> str | None:
     for name in names:
         for prefix in _PREFIXES:
             if prefix + name in keys:
@@ -340,7 +364,8 @@ def find_pair(ckpt: Checkpoint, embedding: str | None = None,
     else:
         hd_present = hd
     if emb is None and hd_present is None:
-        raise CkptError(f"{ckpt.path}: missing keys: no embedding key ({', '.join(EMBEDDING_KEYS)}"
+        raise CkptError(f"{ckpt.path}: cannot tell which tensors are tied: missing keys: no "
+                        f"embedding key ({', '.join(EMBEDDING_KEYS)}"
                         f") and no head key ({', '.join(HEAD_KEYS)}) found (the file holds "
                         f"{_some(ckpt)}); give --embedding KEY --head KEY")
     if emb is None and hd_present is not None:
@@ -355,6 +380,114 @@ def find_pair(ckpt: Checkpoint, embedding: str | None = None,
         raise CkptError(f"{ckpt.path}: the embedding and the head resolve to one key {emb!r}: "
                         f"give --embedding KEY --head KEY naming two keys")
     return emb, hd
+
+
+#: what a tied pair is, as :func:`find_pairs` returns it: (embedding key, head key, who
+#: declares the tie: a transformers class, or None when found by name or given)
+Found = tuple[str | None, str | None, str | None]
+
+# a key that names a lookup table (the embedding side of a declared tie; GPT-NeoX's head is
+# embed_out)
+_LOOKUP = re.compile(r"embed(?!_out)|(^|\.)wte\.|word_emb|tok_emb|(^|\.)shared\.")
+
+
+def _unwrapped(key: str) -> str:
+    for prefix in _PREFIXES[1:]:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def find_pairs(ckpt: Checkpoint, config: dict[str, Any] | None = None,
+               embedding: str | None = None, head: str | None = None) -> list[Found]:
+    """Every tied pair of ``ckpt``, the embedding/head pair first.  Given keys are the one
+    pair; otherwise the ties transformers declares for these names (:mod:`ckpt.pairs`: its
+    installed classes) whose two keys are both in the file (with a config naming the model
+    type, also one stored key whose partner is not); else the pair found by the names real
+    models use (:func:`find_pair`), refused as "cannot tell which tensors are tied" when only
+    one of the two is there and another matrix of its shape could be the other."""
+    if embedding is None and head is None:
+        declared = _declared(ckpt, config)
+        if declared:
+            return declared
+    emb, hd = find_pair(ckpt, embedding, head)
+    if embedding is None or head is None:
+        _refuse_lookalike(ckpt, emb, hd)
+    return [(emb, hd, None)]
+
+
+def _declared(ckpt: Checkpoint, config: dict[str, Any] | None) -> list[Found]:
+    """The pairs of the model classes that best explain the file: of every class whose ties
+    are in it, those with the most (T5ForConditionalGeneration's three, not FSMT's one tie of
+    encoder to decoder that the same names also satisfy)."""
+    from tyingspec._src.ckpt.pairs import declared_pairs
+
+    recorded = recorded_ties(ckpt)
+    names = set(ckpt.tensors) | set(recorded)
+    matrices = {_unwrapped(k) for k, t in ckpt.tensors.items() if t.dim() == 2}
+    classes, where, by_model_type = declared_pairs(matrices | {_unwrapped(k) for k in recorded},
+                                                   config)
+    best: list[tuple[tuple[tuple[str, str], ...], str]] = []  # (pairs it explains, class)
+    for declared in classes:
+        explained = tuple(p for p in (_located(ckpt, names, t, s, by_model_type)
+                                      for t, s in declared.ties) if p is not None)
+        if explained and (not best or len(explained) >= len(best[0][0])):
+            if best and len(explained) > len(best[0][0]):
+                best.clear()
+            best.append((explained, declared.owner))
+    owners: dict[tuple[str, str], list[str]] = {}
+    for explained, owner in best:
+        for pair in explained:
+            owners.setdefault(pair, []).append(owner)
+    found: list[Found] = []
+    for (emb, hd), who in owners.items():
+        # several classes declare one tie (every GPT-2-like head): a few of them, then a count
+        named = ", ".join(who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
+        found.append((emb, hd, f"{named} in {where}"))
+    # the embedding/head pair first (convert and --evaluate work on it); ties between two
+    # lookups of one table (T5's encoder and decoder embed_tokens to shared) after it
+    found.sort(key=lambda f: bool(f[1] is not None and _LOOKUP.search(f[1])))
+    return found
+
+
+def _located(ckpt: Checkpoint, names: set[str], tied_name: str, source_name: str,
+             lone: bool) -> tuple[str, str] | None:
+    """(embedding key, head key) of a declared tie as the file names it, or None when the
+    file does not hold it: both keys there as matrices (or recorded as tied), or with
+    ``lone`` (the config's own model type) the source alone, a tied save."""
+    source, tied = _find(names, (source_name,)), _find(names, (tied_name,))
+    stored = [k for k in (source, tied) if k is not None and k in ckpt.tensors]
+    if not stored or any(ckpt.tensors[k].dim() != 2 for k in stored):
+        return None
+    if tied is None and source is not None and lone:
+        # transformers keeps the source of a tie and drops the tied key
+        tied = next((p for p in _PREFIXES if p and source.startswith(p)), "") + tied_name
+    if source is None or tied is None:
+        return None
+    # the lookup is the embedding, whichever side of the tie it is on (BLT ties its
+    # local encoder's embed_tokens to lm_head)
+    return (tied, source) if _LOOKUP.search(tied) and not _LOOKUP.search(source) \
+        else (source, tied)
+
+
+def _refuse_lookalike(ckpt: Checkpoint, emb: str | None, hd: str | None) -> None:
+    """A pair found by name with only one key in the file reads as a tied save; unless
+    another matrix of the same shape is there, which may be the other one under a name
+    neither tyingspec nor transformers pairs with it (Mamba's ``backbone.embeddings.weight``
+    beside ``lm_head.weight`` read ``tied`` over two different matrices)."""
+    stored = [k for k in (emb, hd) if k is not None and k in ckpt.tensors]
+    if len(stored) != 1 or (emb in recorded_ties(ckpt) or hd in recorded_ties(ckpt)):
+        return
+    one = ckpt.tensors[stored[0]]
+    alike = [k for k, t in ckpt.tensors.items()
+             if k != stored[0] and t.dim() == 2 and tuple(t.shape) == tuple(one.shape)]
+    if alike:
+        role = "embedding" if stored[0] == hd else "head"
+        shown = ", ".join(repr(k) for k in alike[:3]) + (", ..." if len(alike) > 3 else "")
+        raise CkptError(f"{ckpt.path}: cannot tell which tensors are tied: {stored[0]!r} is "
+                        f"found by name and its {role} is not, while {shown} has its shape "
+                        f"{list(one.shape)} under a name no known model pairs with it; give "
+                        f"--embedding KEY --head KEY")
 
 
 def _head_name_for(emb: str) -> str:

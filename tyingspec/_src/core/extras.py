@@ -16,7 +16,8 @@ import re
 
 from tyingspec._src.core.options import UsageError
 
-__all__ = ["EXTRAS", "MissingExtra", "hint_text", "missing_extra", "require", "with_hint"]
+__all__ = ["EXTRAS", "KIND_MODULES", "PRECISION_MODULES", "MissingExtra", "hint_text",
+           "missing_extra", "require", "require_run", "with_hint"]
 
 #: top-level module -> the extra that installs it (see pyproject.toml's optional-dependencies)
 EXTRAS: dict[str, str] = {
@@ -27,6 +28,11 @@ EXTRAS: dict[str, str] = {
     "matplotlib": "plot",
     "jax": "jax",
 }
+
+#: the module a kind's own code imports whatever the target: no run of the kind starts without it
+KIND_MODULES: dict[str, str] = {"torch": "torch", "distributed": "torch", "jax": "jax"}
+#: the module a precision needs beyond numpy
+PRECISION_MODULES: dict[str, str] = {"bfloat16": "ml_dtypes"}
 
 
 class MissingExtra(UsageError):
@@ -58,6 +64,16 @@ def require(module: str, needed_for: str = "") -> None:
     """Raise :class:`MissingExtra` unless ``module`` is installed."""
     if not installed(module):
         raise MissingExtra(module, needed_for)
+
+
+def require_run(kind: str, precision: str, flag: str = "--") -> None:
+    """Raise :class:`MissingExtra` unless what every run of ``kind`` at ``precision`` needs is
+    installed.  The message names the option as given to the front end: ``flag`` is ``--`` for
+    the command line, ``--tyingspec-`` for the pytest plugin."""
+    for option, value, module in (("kind", kind, KIND_MODULES.get(kind)),
+                                  ("precision", precision, PRECISION_MODULES.get(precision))):
+        if module is not None:
+            require(module, f"{flag}{option}={value}")
 
 
 def missing_extra(exc: BaseException) -> MissingExtra | None:

@@ -25,6 +25,8 @@ from tyingspec._src.core.options import (
 from tyingspec._src.kinds.table import KIND_NAMES
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
+#: A run ended by Ctrl-C: the status a shell gives a command that SIGINT ended (128 + 2).
+EXIT_INTERRUPTED = 130
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -344,6 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(_command(argv))
         args = parser.parse_args(argv)
         return _run(args, parser)
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, not a traceback through whatever was waiting (a worker, a hung
+        # rank); the workers and ranks are ended at exit, as after any run
+        _error("interrupted")
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`| head`): stop writing.  The run did not finish, so the exit
         # status must not say it passed.

@@ -22,6 +22,7 @@ string and is resolved in each process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import re
@@ -99,41 +100,71 @@ def _replay(text: str) -> str:
     return text
 
 
+#: The options that take a value.  Each is declared ``action="append"`` so that a value given
+#: twice is seen (argparse's ``store`` keeps the last one and drops the first in silence: with
+#: ``--tyingspec-adapter=buggy:f --tyingspec-adapter=good:f`` the buggy adapter never ran and the
+#: job passed); :func:`_once` refuses two different values as a usage error.
+VALUED = ("tyingspec_adapter", "tyingspec_kind", "tyingspec_precision", "tyingspec_timeout",
+          "tyingspec_profile", "tyingspec_max_examples", "tyingspec_baseline",
+          "tyingspec_summary", "tyingspec_replay")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("tyingspec", "tyingspec: tied-embedding gradient properties")
-    group.addoption("--tyingspec-adapter", metavar="MODULE:ATTR", type=_adapter, default=None,
+    once = {"action": "append", "default": None}
+    group.addoption("--tyingspec-adapter", metavar="MODULE:ATTR", type=_adapter, **once,
                     help="run tyingspec's property suite against this adapter (module:attr, "
-                         "or a built-in name); without it the plugin does nothing")
-    group.addoption("--tyingspec-kind", type=_choice("kind", KINDS), default="model",
+                         "or a built-in name); without it the plugin does nothing; one per run")
+    group.addoption("--tyingspec-kind", type=_choice("kind", KINDS), **once,
                     help="adapter contract: model (E, W, b, tokens, targets -> loss, dE, dW, "
                          "db) or kernel (tokens, dx, h, g, V -> dE); default model")
-    group.addoption("--tyingspec-precision", type=_choice("precision", PRECISIONS),
-                    default="auto",
+    group.addoption("--tyingspec-precision", type=_choice("precision", PRECISIONS), **once,
                     help="precision to build cases in and judge at: auto (default: the least "
                          "precise float the adapter returns), float64, float32, bfloat16, "
                          "float16")
-    group.addoption("--tyingspec-timeout", metavar="SECONDS", type=positive_seconds,
-                    default=DEFAULT_TIMEOUT,
+    group.addoption("--tyingspec-timeout", metavar="SECONDS", type=positive_seconds, **once,
                     help="seconds one call of the adapter may take before it fails the "
-                         "property as an adapter error (default %(default)g)")
-    group.addoption("--tyingspec-profile", type=_choice("profile", PROFILES), default=None,
+                         f"property as an adapter error (default {DEFAULT_TIMEOUT:g})")
+    group.addoption("--tyingspec-profile", type=_choice("profile", PROFILES), **once,
                     help="Hypothesis settings for the property tests: dev (fast), ci "
                          "(derandomized; the default when $CI is set), thorough (hundreds of "
                          "examples); default dev")
-    group.addoption("--tyingspec-max-examples", metavar="N", type=positive_int, default=None,
+    group.addoption("--tyingspec-max-examples", metavar="N", type=positive_int, **once,
                     help="override the profile's max_examples")
-    group.addoption("--tyingspec-baseline", metavar="FILE", type=_file, default=None,
+    group.addoption("--tyingspec-baseline", metavar="FILE", type=_file, **once,
                     help="regression gate: record each property's verdict in FILE (if missing; "
                          "under CI, $CI set, a missing FILE fails the run: commit it) and fail "
                          "the run if a property that passed there fails now")
     group.addoption("--tyingspec-update-baseline", action="store_true", default=False,
                     help="write --tyingspec-baseline FILE with this run's verdicts, whether it "
                          "exists or not (also under CI)")
-    group.addoption("--tyingspec-summary", metavar="FILE", type=_file, default=None,
+    group.addoption("--tyingspec-summary", metavar="FILE", type=_file, **once,
                     help="append a markdown summary (property | invariant | verdict | "
                          "diagnosis) to FILE, e.g. $GITHUB_STEP_SUMMARY")
-    group.addoption("--tyingspec-replay", metavar="CASE", type=_replay, default=None,
+    group.addoption("--tyingspec-replay", metavar="CASE", type=_replay, **once,
                     help="run one property on one batch, as printed by a failure's replay line")
+
+
+def _once(config: pytest.Config, dest: str) -> Any:
+    """The one value of a tyingspec option (None when not given).  Given more than once
+    with different values, a usage error naming them: the plugin checks one adapter, at one
+    kind, precision and so on, per run, and keeping the last value would drop the others
+    without a word.  The same value twice (an ini file's addopts repeated on the command line)
+    drops nothing and is accepted."""
+    values: list[Any] | None = config.getoption(dest)
+    if not values:
+        return None
+    distinct = list(dict.fromkeys(values))
+    if len(distinct) > 1:
+        flag = "--" + dest.replace("_", "-")
+        also = ("; to check several adapters, run pytest once per adapter"
+                if dest == "tyingspec_adapter" else "")
+        raise pytest.UsageError(
+            f"{flag} given {len(values)} times with different values "
+            f"({', '.join(repr(v) for v in distinct)}): a run takes one, and keeping the last "
+            f"would drop the others without a word; give it once (the command line, "
+            f"PYTEST_ADDOPTS and the ini file's addopts all count){also}")
+    return distinct[0]
 
 
 # --- configuration ---------------------------------------------------------------------------
@@ -168,34 +199,58 @@ class Options:
 
 
 def _options(config: pytest.Config) -> Options | None:
-    get = config.getoption
-    adapter: str | None = get("tyingspec_adapter")
+    value = {dest: _once(config, dest) for dest in VALUED}
+    update_baseline = bool(config.getoption("tyingspec_update_baseline"))
+    adapter: str | None = value["tyingspec_adapter"]
     if adapter is None:
         stray = [f"--{n.replace('_', '-')}" for n in
                  ("tyingspec_profile", "tyingspec_max_examples", "tyingspec_baseline",
-                  "tyingspec_summary", "tyingspec_replay") if get(n) is not None]
-        stray += ["--tyingspec-update-baseline"] if get("tyingspec_update_baseline") else []
+                  "tyingspec_summary", "tyingspec_replay") if value[n] is not None]
+        stray += ["--tyingspec-update-baseline"] if update_baseline else []
         if stray:
             raise pytest.UsageError(f"{', '.join(stray)} given without --tyingspec-adapter; "
                                     "name the adapter to check, e.g. "
                                     "--tyingspec-adapter=mypkg.grads:tied_model")
         return None
-    if get("tyingspec_update_baseline") and get("tyingspec_baseline") is None:
+    if update_baseline and value["tyingspec_baseline"] is None:
         raise pytest.UsageError("--tyingspec-update-baseline needs --tyingspec-baseline=FILE")
     from tyingspec._src.core.files import OutputError, check_distinct
 
     try:
-        check_distinct({"--tyingspec-baseline": get("tyingspec_baseline"),
-                         "--tyingspec-summary": get("tyingspec_summary"),
-                         "--junitxml": get("xmlpath", None)})
+        check_distinct({"--tyingspec-baseline": value["tyingspec_baseline"],
+                         "--tyingspec-summary": value["tyingspec_summary"],
+                         "--junitxml": config.getoption("xmlpath", None)})
     except OutputError as exc:
         raise pytest.UsageError(str(exc)) from None
-    profile = get("tyingspec_profile") or ("ci" if _in_ci() else "dev")
-    return Options(adapter, get("tyingspec_kind"), profile, get("tyingspec_max_examples"),
-                   get("tyingspec_baseline"), bool(get("tyingspec_update_baseline")),
-                   get("tyingspec_summary"), get("tyingspec_replay"),
-                   get("tyingspec_precision"), get("tyingspec_timeout"),
-                   _import_paths(config))
+    kind = value["tyingspec_kind"] or "model"
+    precision = value["tyingspec_precision"] or "auto"
+    _require_extras(adapter, kind, precision)
+    profile = value["tyingspec_profile"] or ("ci" if _in_ci() else "dev")
+    timeout = value["tyingspec_timeout"]
+    return Options(adapter, kind, profile, value["tyingspec_max_examples"],
+                   value["tyingspec_baseline"], update_baseline, value["tyingspec_summary"],
+                   value["tyingspec_replay"], precision,
+                   DEFAULT_TIMEOUT if timeout is None else timeout, _import_paths(config))
+
+
+def _require_extras(adapter: str, kind: str, precision: str) -> None:
+    """A missing extra is a usage error naming its ``pip install`` (pytest's exit status 4),
+    raised before any test runs: as test failures (exit 1, "6 failed") it would read as wrong
+    gradients."""
+    from tyingspec._src.core.extras import MissingExtra, require, require_run
+
+    try:
+        require_run(kind, precision, flag="--tyingspec-")
+        if kind == "linear-ce" and ":" not in adapter:
+            # a built-in of the linear-ce kind can be a torch module (its numpy twins need
+            # nothing): the same rule as ``tyingspec check``
+            from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
+
+            builtin = LINEAR_CE_BUILTINS.get(adapter)
+            if builtin is not None and builtin.form == "torch":
+                require("torch", f"the built-in {adapter} (a torch module)")
+    except MissingExtra as exc:
+        raise pytest.UsageError(f"tyingspec: {exc}") from None
 
 
 def _import_paths(config: pytest.Config) -> tuple[str, ...]:
@@ -551,10 +606,17 @@ class _Controller:
             title = f"tyingspec: `{self.opts.adapter}` ({self.opts.kind}, {self.opts.profile})" \
                 + (f": {verdict}" if verdict else "")
             text = summary_markdown(title, rows, self.gate_lines or None)
+            from tyingspec._src.core.files import append_text
+
+            capture = self.config.pluginmanager.get_plugin("capturemanager")
             try:
-                # Append: $GITHUB_STEP_SUMMARY collects every step's summary in one file.
-                with open(self.opts.summary, "a", encoding="utf-8") as fh:
-                    fh.write(text)
+                # pytest's capture holds stdout (fd 1) until the terminal summary: a summary
+                # sent to /dev/stdout goes out with the capture suspended, else it would land
+                # in the capture's temporary file
+                with capture.global_and_fixture_disabled() if capture is not None else \
+                        contextlib.nullcontext():
+                    # Append: $GITHUB_STEP_SUMMARY collects every step's summary in one file.
+                    append_text(self.opts.summary, text)
             except OSError as exc:
                 self.gate_lines.append(f"summary {self.opts.summary} cannot be written: {exc}")
 

@@ -5,7 +5,13 @@ copy by copy against the reference's components (replica x micro-batch x path, s
 :mod:`kinds.distributed.reference`), each comparison under the shared row bound
 (:mod:`core.tolerance`) scaled by the coefficients it sums with:
 
+* from the second step of a case on, every wrong copy holds its step's tied gradient plus a
+  multiple of its own gradient of the step before: ``gradient_not_zeroed`` (the gradient is
+  never zeroed, so the sync sums what the last step left too);
 * every copy holds ``G / k`` for one ``k > 1``: ``replicas_averaged``;
+* every copy holds ``k G`` for one ``k > 1``: ``path_scaled`` (both paths alike: the copies
+  summed over more ranks than the embedding group holds, e.g. the world group of a pp x dp
+  layout);
 * every copy holds its own stage's path only (the first stage the input path, the last the
   output path) and no copy holds the other stage's: ``replica_not_synced``;
 * every wrong copy holds one path reduced and the other path of a single replica alone
@@ -126,24 +132,38 @@ def after_check(copies: dict[int, np.ndarray], dp: int, gradient: Verdict | None
     return Verdict("replicas_diverge", where)
 
 
+#: Up to this many components a wrong copy the least-squares fit leaves unexplained is searched
+#: subset by subset (2^J combinations).
+_SEARCHED = 10
+
+
 @dataclass(frozen=True)
 class _Fit:
-    kind: str  # "full", "averaged", "own", "partial", "subset"
+    kind: str  # "full", "averaged", "multiplied", "own", "partial", "subset", "carried"
     coef: tuple[float, ...]
     note: str
 
 
 def gradient_check(grads: dict[int, np.ndarray], parts: Sequence[Part], tol: Tolerance,
-                   pp: int, dp: int) -> tuple[Verdict, int | None]:
-    """The gradients after the sync, and the rank of the first wrong copy (None if none)."""
+                   pp: int, dp: int, previous: dict[int, np.ndarray] | None = None
+                   ) -> tuple[Verdict, int | None]:
+    """The gradients after the sync, and the rank of the first wrong copy (None if none).
+    ``previous``: each copy's gradient after the step before this one on the same setup (from
+    the second step on), which a gradient never zeroed still carries."""
     G: np.ndarray = np.sum([p.value for p in parts], axis=0)
     wrong = {r: ~_close(tol, g, G) for r, g in grads.items()}
     wrong = {r: m for r, m in wrong.items() if m.any()}
     if not wrong:
         return Verdict(None, ""), None
+    first = min(wrong)
+    carried = {r: _carried(grads[r], G, previous.get(r), tol) for r in wrong} \
+        if previous else {}
+    if carried and all(f is not None for f in carried.values()):
+        return Verdict("gradient_not_zeroed", "; ".join(
+            f"{place(r, dp)}: {f.note}; wrong {_rows(wrong[r])}"
+            for r, f in sorted(carried.items()) if f is not None)), first
     fits = {r: _explain(grads[r], r, parts, tol, pp, dp) if r in wrong else
             _Fit("full", (1.0,) * len(parts), "holds the tied gradient") for r in grads}
-    first = min(wrong)
     label = _label(wrong, fits, parts, pp, dp)
     lines = []
     for r in sorted(wrong):
@@ -151,6 +171,23 @@ def gradient_check(grads: dict[int, np.ndarray], parts: Sequence[Part], tol: Tol
         why = fit.note if fit is not None else "matches no combination of the reference's paths"
         lines.append(f"{place(r, dp)}: {why}; wrong {_rows(wrong[r])}")
     return Verdict(label, "; ".join(lines)), first
+
+
+def _carried(g: np.ndarray, G: np.ndarray, before: np.ndarray | None, tol: Tolerance
+             ) -> _Fit | None:
+    """``g`` as this step's tied gradient ``G`` plus ``c`` times the copy's gradient of the
+    step before (``c`` > 0; 2 when the sync summed two copies that both carried it)."""
+    if before is None:
+        return None
+    rest = (g - G).ravel()
+    scale = float(before.ravel() @ before.ravel())
+    if scale == 0.0:
+        return None
+    c = float(before.ravel() @ rest) / scale
+    if c < 0.5 or not _close(tol, g, G + c * before, 1.0 + c).all():
+        return None
+    return _Fit("carried", (c,), f"holds this step's tied gradient plus {c:.3g}x its gradient "
+                "of the step before: the gradient was not zeroed before this step")
 
 
 def _explain(g: np.ndarray, rank: int, parts: Sequence[Part], tol: Tolerance, pp: int,
@@ -169,6 +206,10 @@ def _explain(g: np.ndarray, rank: int, parts: Sequence[Part], tol: Tolerance, pp
     for k in range(2, 2 * size + 1):
         if holds([1.0 / k] * J):
             return _Fit("averaged", (1.0 / k,) * J, f"holds the tied gradient divided by {k}")
+        if holds([float(k)] * J):
+            return _Fit("multiplied", (float(k),) * J, f"holds the tied gradient times {k}: "
+                        "the sum ran over more ranks than the embedding group's copies (the "
+                        "world group?)")
     own = {"input"} if stage == 0 and stage != pp - 1 else \
         {"output"} if stage == pp - 1 and stage != 0 else set()
     for path in own:
@@ -197,14 +238,30 @@ def _explain(g: np.ndarray, rank: int, parts: Sequence[Part], tol: Tolerance, pp
                             "reduced: the sum added a DP shard's partial result"))
     mine = [j for j, p in enumerate(parts) if p.replica == replica and
             ((p.path == "input" and stage == 0) or (p.path == "output" and stage == pp - 1))]
+    lates = (1.0, float(dp)) if dp > 1 else (1.0,)
+
+    def subset(coef: Sequence[float]) -> _Fit:
+        missing = [parts[j].name for j in range(J) if coef[j] == 0.0]
+        return _Fit("subset", tuple(coef), "lacks the " + ", ".join(missing))
+
+    # The components that fit g best (least squares), each rounded to "absent" or "present"
+    # (a component of this rank's own, local before the sum, may be present dp times): one
+    # solve instead of 2^J subsets, which at 4 micro-batches x 2 replicas x 2 paths is 65536.
+    # The solve cannot miss a subset that holds when the components are independent, as
+    # distinct batches make them; the search below covers a small J where they may not be.
+    fit = np.linalg.lstsq(values.reshape(J, -1).T, g.ravel(), rcond=None)[0]
+    rounded = [min((0.0, *(lates if j in mine else (1.0,))), key=lambda v: abs(v - fit[j]))
+               for j in range(J)]
+    if any(c == 0.0 for c in rounded) and holds(rounded):
+        return subset(rounded)
+    if J > _SEARCHED:
+        return None
     for n in range(J - 1, -1, -1):
         for S in itertools.combinations(range(J), n):
-            for late in (1.0, float(dp)) if dp > 1 else (1.0,):
+            for late in lates:
                 coef = [(late if j in mine else 1.0) if j in S else 0.0 for j in range(J)]
                 if holds(coef):
-                    missing = [parts[j].name for j in range(J) if j not in S]
-                    return _Fit("subset", tuple(coef),
-                                "lacks the " + ", ".join(missing))
+                    return subset(coef)
     return None
 
 
@@ -216,6 +273,8 @@ def _label(wrong: dict[int, np.ndarray], fits: dict[int, _Fit | None], parts: Se
     kinds = {f.kind for f in chosen if f is not None}
     if kinds == {"averaged"}:
         return "replicas_averaged"
+    if kinds == {"multiplied"}:
+        return "path_scaled"
     if kinds == {"partial"}:
         return "replica_partial_shards"
     every = [fits[r] for r in fits]

@@ -6,14 +6,21 @@ already imported (a fresh interpreter spends 2-4 s importing torch, per rank, on
 machine).  They meet through a ``TCPStore`` this process serves on 127.0.0.1 at a port the
 kernel picks (bound to port 0: no guessed port, no race), join a gloo process group and build
 the groups a :class:`~kinds.distributed.target.World` names.  Each case is one message per rank
-(seed, tokens, targets); each rank answers with its copy's value at start, gradient after the
-step and value after it.
+(seed, micro-batch count, one batch per step): the rank runs ``setup`` once, then every step on
+that one setup, and answers with its copy's value at start and its gradient after the sync and
+value after the step, step by step.  Between two steps the rank puts every parameter and buffer
+it can reach from ``state`` back to its value after ``setup`` (not the gradients, not the
+optimizer's state): each step's gradient then has a single-process reference of its own (the
+reference's E on that step's batch), whatever the optimizer did, and a gradient that was never
+zeroed carries the step before it.  A rank says which phase it is in (setup, step k of n) as it
+enters it, so a rank that raises or hangs is named with the phase.
 
 Nothing outlives a run: a rank is a daemon process (multiprocessing ends it at exit), asks the
 kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and in the worker is in the
-worker's process group (killed with it).  A world whose case failed in any way (a rank raised,
-exited or hung) is killed at once and the next case starts a fresh one; :func:`shutdown` ends
-every world (it runs at exit).
+worker's process group (killed with it).  A rank ignores SIGINT: a Ctrl-C reaches every process
+of the terminal's foreground group, and the process that forked the ranks ends them itself.  A
+world whose case failed in any way (a rank raised, exited or hung) is killed at once and the
+next case starts a fresh one; :func:`shutdown` ends every world (it runs at exit).
 
 Which rank is to blame is decided here.  The process group's timeout is shorter than the
 call's: a rank waiting in a collective for a hung peer raises a timeout of its own, which is
@@ -32,6 +39,8 @@ import os
 import signal
 import time
 import traceback
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -98,8 +107,11 @@ def _full(t: Any) -> np.ndarray | None:
 
 
 def _rank_main(conn: Connection, target: DistributedTarget, rank: int, size: int,
-               layout: Layout, micro: int, port: int, pg_timeout: float) -> None:
+               layout: Layout, port: int, pg_timeout: float) -> None:
     _die_with_parent()
+    # the coordinator ends the ranks; a Ctrl-C of the terminal (built-ins run in the command's
+    # own process, whose foreground group the ranks share) must not make each one print
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
     import torch.distributed as dist
 
@@ -110,7 +122,7 @@ def _rank_main(conn: Connection, target: DistributedTarget, rank: int, size: int
         store = _store(port, size, master=False, timeout=pg_timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                                 timeout=wait_for)
-        world = World(rank, size, pp, dp, micro)
+        world = World(rank, size, pp, dp)
 
         def groups(every: list[tuple[int, ...]], mine: int) -> tuple[Any, tuple[int, ...]]:
             # every rank creates every group, in the same order (torch's rule for new_group);
@@ -125,9 +137,15 @@ def _rank_main(conn: Connection, target: DistributedTarget, rank: int, size: int
         world.embedding_group, world.embedding_ranks = groups(
             [tuple(sorted({r, (pp - 1) * dp + r})) for r in range(dp)], world.replica)
     except BaseException as exc:  # noqa: BLE001  (reported, then this rank ends)
-        conn.send(("error", _text(exc)))
+        conn.send(("error", ("starting the world", _text(exc))))
         return
-    conn.send(("ready", None))
+    conn.send(("ok", None))
+    phase = ["setup"]
+
+    def enter(name: str) -> None:
+        phase[0] = name
+        conn.send(("at", name))
+
     while True:
         try:
             message = conn.recv()
@@ -135,34 +153,90 @@ def _rank_main(conn: Connection, target: DistributedTarget, rank: int, size: int
             return
         if message is None:
             break
-        seed, tokens, targets = message
+        seed, micro, batches = message
+        phase[0] = "setup"
         try:
-            conn.send(("ok", _one_case(target, world, seed, tokens, targets)))
+            conn.send(("ok", _one_case(target, world, seed, micro, batches, enter)))
         except BaseException as exc:  # noqa: BLE001  (SystemExit included: reported)
-            conn.send(("error", _text(exc)))
+            conn.send(("error", (phase[0], _text(exc))))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001  (ending anyway)
         pass
 
 
-def _one_case(target: DistributedTarget, world: World, seed: int, tokens: np.ndarray,
-              targets: np.ndarray) -> dict[str, Any]:
+def _one_case(target: DistributedTarget, world: World, seed: int, micro: int,
+              batches: list[tuple[np.ndarray, np.ndarray]], enter: Callable[[str], None]
+              ) -> dict[str, Any]:
+    """``setup`` once, then one step per batch on it; the copy's value at start and, step by
+    step, its gradient after the sync and its value after the step."""
     import torch
 
     torch.set_default_dtype(torch.float64)
+    world.micro_batch_count = micro
     torch.manual_seed(seed)
+    enter("setup")
     state, copy = target.setup(world)
     start = _full(copy)
-    t = torch.from_numpy(tokens.copy())
-    y = torch.from_numpy(targets.copy())
-    torch.manual_seed(seed + 1)
-    target.step(world, state, t, y)
-    grad = None if copy is None else _full(copy.grad)
-    after = _full(copy)
-    return {"start": start, "grad": grad, "after": after, "has_copy": copy is not None,
-            "has_grad": copy is not None and copy.grad is not None,
+    held = _held(state, copy)
+    at_start = [t.detach().clone() for t in held]
+    grads: list[np.ndarray | None] = []
+    afters: list[np.ndarray | None] = []
+    has_grad: list[bool] = []
+    for i, (tokens, targets) in enumerate(batches):
+        enter(f"step {i + 1} of {len(batches)}")
+        if i:
+            with torch.no_grad():  # the next step starts where setup left the parameters
+                for t, value in zip(held, at_start):
+                    t.copy_(value)
+        torch.manual_seed(seed + 1 + i)  # as the reference seeds this step (dropout)
+        target.step(world, state, torch.from_numpy(tokens.copy()),
+                    torch.from_numpy(targets.copy()))
+        grads.append(None if copy is None else _full(copy.grad))
+        afters.append(_full(copy))
+        has_grad.append(copy is not None and copy.grad is not None)
+    return {"start": start, "grads": grads, "afters": afters, "has_copy": copy is not None,
+            "has_grad": has_grad,
             "dtype": None if copy is None else str(copy.dtype).removeprefix("torch.")}
+
+
+def _held(state: Any, copy: Any) -> list[Any]:
+    """Every parameter and buffer reachable from ``state`` (through containers, attributes,
+    modules and optimizers) and the copy: what a step changes that the next step's forward
+    reads.  Gradients are not among them, and an optimizer's own state is left alone."""
+    import torch
+
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if depth > 8 or id(obj) in seen or obj is None:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            for t in [*obj.parameters(), *obj.buffers()]:
+                found.setdefault(id(t), t)
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                for t in group["params"]:
+                    found.setdefault(id(t), t)
+        elif isinstance(obj, torch.Tensor):
+            if obj.is_leaf and obj.requires_grad:
+                found.setdefault(id(obj), obj)
+        elif isinstance(obj, Mapping):
+            for v in list(obj.values()):
+                visit(v, depth + 1)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for v in list(obj):
+                visit(v, depth + 1)
+        elif not isinstance(obj, (type, types.ModuleType, types.FunctionType, str, bytes,
+                                  int, float, bool)) and hasattr(obj, "__dict__"):
+            for v in list(vars(obj).values()):
+                visit(v, depth + 1)
+
+    visit(state, 0)
+    visit(copy, 0)
+    return list(found.values())
 
 
 def _text(exc: BaseException) -> str:
@@ -178,7 +252,6 @@ class _World:
     """A live world: its ranks, their connections and the store they meet at."""
 
     layout: Layout
-    micro: int
     target: DistributedTarget  # held, so that its id (in the key) is never reused meanwhile
     procs: list[BaseProcess]
     conns: list[Connection]
@@ -209,9 +282,10 @@ class _World:
         self.store = None  # the store's server closes its port when the last reference goes
 
 
-#: live worlds by (target, layout, micro-batches, process-group timeout): a new budget (another
-#: ``--timeout``) needs a world whose collectives time out within it
-_WORLDS: dict[tuple[int, Layout, int, float], _World] = {}
+#: live worlds by (target, layout, process-group timeout): a new budget (another ``--timeout``)
+#: needs a world whose collectives time out within it.  The micro-batch count is the case's,
+#: sent with it.
+_WORLDS: dict[tuple[int, Layout, float], _World] = {}
 #: every store port this process has served (tests check none is left listening)
 SERVED: list[int] = []
 
@@ -236,8 +310,8 @@ def _warm() -> None:
     import tyingspec._src.kinds.distributed.models  # noqa: F401  (the built-ins' code)
 
 
-def _start(target: DistributedTarget, layout: Layout, micro: int, spec: str,
-           deadline: float, pg_timeout: float) -> _World:
+def _start(target: DistributedTarget, layout: Layout, spec: str, deadline: float,
+           pg_timeout: float) -> _World:
     _warm()
     pp, dp = layout
     size = pp * dp
@@ -247,12 +321,12 @@ def _start(target: DistributedTarget, layout: Layout, micro: int, spec: str,
     ctx = multiprocessing.get_context("fork")
     procs: list[BaseProcess] = []
     conns: list[Connection] = []
-    world = _World(layout, micro, target, procs, conns, store, port)
+    world = _World(layout, target, procs, conns, store, port)
     try:
         for rank in range(size):
             here, there = ctx.Pipe()
             p = ctx.Process(target=_rank_main, name=f"tyingspec-rank-{rank}",
-                            args=(there, target, rank, size, layout, micro, port, pg_timeout),
+                            args=(there, target, rank, size, layout, port, pg_timeout),
                             daemon=True)
             p.start()
             there.close()
@@ -266,34 +340,38 @@ def _start(target: DistributedTarget, layout: Layout, micro: int, spec: str,
 
 
 def run_case(target: DistributedTarget, spec: str, layout: Layout, micro: int, seed: int,
-             tokens: np.ndarray, targets: np.ndarray, deadline: float
+             batches: list[tuple[np.ndarray, np.ndarray]], deadline: float
              ) -> list[dict[str, Any]]:
-    """One case on ``layout``'s world (started if need be): every rank's answer, by rank;
-    AdapterError naming the rank when one raised, exited or hung (the world is then ended)."""
+    """One case on ``layout``'s world (started if need be): ``setup``, then one step per
+    batch of ``batches`` with ``micro`` micro-batches each; every rank's answer, by rank.
+    AdapterError naming the rank and the phase when one raised, exited or hung (the world is
+    then ended)."""
     pg_timeout = max(1.0, 0.4 * call_budget())
-    key = (id(target), (layout[0], layout[1]), micro, pg_timeout)
+    key = (id(target), (layout[0], layout[1]), pg_timeout)
     world = _WORLDS.get(key)
     if world is not None and not all(p.is_alive() for p in world.procs):
         _WORLDS.pop(key).kill()
         world = None
     if world is None:
-        world = _start(target, layout, micro, spec, deadline, pg_timeout)
+        world = _start(target, layout, spec, deadline, pg_timeout)
         _WORLDS[key] = world
     for conn in world.conns:
-        conn.send((seed, tokens, targets))
+        conn.send((seed, micro, batches))
     try:
-        return _gather(world, spec, deadline, "running the step")
+        return _gather(world, spec, deadline, "setup")
     except BaseException:
         _WORLDS.pop(key, None)
         world.kill()
         raise
 
 
-def _gather(world: _World, spec: str, deadline: float, during: str) -> list[dict[str, Any]]:
-    """Every rank's answer; the rank to blame when there is none."""
+def _gather(world: _World, spec: str, deadline: float, first: str) -> list[dict[str, Any]]:
+    """Every rank's answer; the rank to blame, and the phase it was in, when there is none.
+    ``first`` is the phase a rank is in until it says otherwise."""
     pp, dp = world.layout
     answers: dict[int, Any] = {}
-    waiting: dict[int, str] = {}  # ranks that failed in a collective, waiting for a peer
+    waiting: dict[int, tuple[str, str]] = {}  # ranks that failed in a collective, for a peer
+    phase = dict.fromkeys(range(len(world.procs)), first)
     by_conn = {id(c): i for i, c in enumerate(world.conns)}
     by_sentinel = {p.sentinel: i for i, p in enumerate(world.procs)}
     pending = set(range(len(world.procs)))
@@ -305,14 +383,16 @@ def _gather(world: _World, spec: str, deadline: float, during: str) -> list[dict
             status, payload = world.conns[i].recv()
         except (EOFError, OSError):
             return False
-        if status != "error":
+        if status == "at":
+            phase[i] = payload
+        elif status != "error":
             answers[i] = payload
             pending.discard(i)
-        elif any(w in payload for w in _WAITING):
+        elif any(w in payload[1] for w in _WAITING):
             waiting[i] = payload
         else:
-            raise AdapterError(spec, f"{place(i, dp)} raised while {during} ({where})",
-                               got=payload)
+            raise AdapterError(spec, f"{place(i, dp)} raised in {payload[0]} ({where})",
+                               got=payload[1])
         return True
 
     while pending - set(waiting):
@@ -321,9 +401,10 @@ def _gather(world: _World, spec: str, deadline: float, during: str) -> list[dict
             silent = sorted(pending - set(waiting))
             also = f"; {', '.join(place(r, dp) for r in sorted(waiting))} timed out waiting " \
                    "for it in a collective" if waiting else ""
-            raise AdapterError(spec, f"{', '.join(place(r, dp) for r in silent)} hung while "
-                               f"{during} ({where})", expected="every rank's answer within "
-                               "--timeout", got=f"no answer{also}; the world was killed")
+            raise AdapterError(spec, ", ".join(f"{place(r, dp)} hung in {phase[r]}"
+                                               for r in silent) + f" ({where})",
+                               expected="every rank's answer within --timeout",
+                               got=f"no answer{also}; the world was killed")
         live = [world.conns[i] for i in pending - set(waiting)] + \
             [world.procs[i].sentinel for i in pending - set(waiting)]
         for ready in wait(live, timeout=min(left, 0.5)):
@@ -331,19 +412,19 @@ def _gather(world: _World, spec: str, deadline: float, during: str) -> list[dict
                 read(by_conn[id(ready)])  # a closed pipe: its sentinel says how it ended
                 continue
             i = by_sentinel[ready]
-            # its answer may have come before it ended: read it first
-            if i in pending and world.conns[i].poll(0) and read(i):
-                continue
-            if i in pending:
+            # its last messages may have come before it ended: read them first
+            while i in pending and world.conns[i].poll(0) and read(i):
+                pass
+            if i in pending and i not in waiting:
                 world.procs[i].join(1.0)  # reaped, so that its status can be read
                 raise AdapterError(spec, f"{place(i, dp)} {_ended(world.procs[i].exitcode)} "
-                                   f"while {during} ({where})",
+                                   f"in {phase[i]} ({where})",
                                    expected="an answer from every rank",
                                    got="no answer (the process ended); the world was killed")
     if waiting:  # every rank left failed in a collective: the first says what happened
         i = min(waiting)
-        raise AdapterError(spec, f"{place(i, dp)} failed in a collective while {during} "
-                           f"({where})", got=waiting[i])
+        raise AdapterError(spec, f"{place(i, dp)} failed in a collective in {waiting[i][0]} "
+                           f"({where})", got=waiting[i][1])
     return [answers[i] for i in range(len(world.procs))]
 
 

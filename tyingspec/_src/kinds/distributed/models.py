@@ -2,10 +2,11 @@
 
 Imported by the ranks (and the reference) only; :mod:`kinds.distributed.zoo` names these
 functions lazily, so listing the built-ins imports no torch.  Every step follows the shape of
-the training stack it stands for: a Megatron-style pipeline (GPipe over ``send``/``recv``,
-then ``finalize_model_grads``: the DP all-reduce, then the embedding-group all-reduce of the
-two copies), ``torch.distributed.pipelining``, DDP and FSDP2.  Each broken one changes one
-thing, as the issue it cites did.
+the training stack it stands for: a Megatron-style pipeline (GPipe over ``send``/``recv``, any
+number of stages, a middle one holding no copy; then ``finalize_model_grads``: the DP
+all-reduce, then the embedding-group all-reduce of the two copies), ``torch.distributed.
+pipelining``, DDP and FSDP2.  Every correct step zeroes its gradients first, as a training loop
+does.  Each broken one changes one thing, as the issue it cites did.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from torch import nn
 
 from tyingspec._src.kinds.distributed.target import World
 
-V, D, T, LAYERS = 29, 8, 6, 2  # V not a power of two, so nothing leans on it
+# V not a power of two, so nothing leans on it, and above the default batch's 48 tokens, so
+# that some rows carry the output path alone
+V, D, T, LAYERS = 53, 8, 6, 2
 LR = 0.1
 
 
@@ -73,30 +76,33 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-# ---- a Megatron-style pipeline: stage 0 the embedding and the first half of the blocks, the
-# last stage the rest, the final norm and its own copy of E as the head --------------------
+# ---- a Megatron-style pipeline: stage 0 the embedding, the blocks split across the stages in
+# order, the last stage the final norm and its own copy of E as the head; a middle stage (pp >=
+# 3) holds blocks only ----------------------------------------------------------------------
 
 class Stage(nn.Module):
     def __init__(self, world: World, full: TinyGPT, *, init_sync: bool = True) -> None:
         super().__init__()
-        half = LAYERS // 2
+        s, pp = world.stage, world.pp
         self.first, self.last = world.first_stage, world.last_stage
+        self.blocks = nn.ModuleList(full.blocks[s * LAYERS // pp:(s + 1) * LAYERS // pp])
         if self.first:
             self.wte, self.wpe = full.wte, full.wpe
-            self.blocks = nn.ModuleList(full.blocks[:half])
-        else:
-            self.blocks = nn.ModuleList(full.blocks[half:])
+        if self.last:
             self.ln_f = full.ln_f
             # Megatron's initialize_word_embeddings: the last stage's copy starts at zero and
             # the embedding-group all-reduce makes it the first stage's E
             self.head = nn.Parameter(torch.zeros_like(full.wte.weight))
-        if init_sync and world.pp > 1:
-            copy = self.copy()
+        copy = self.copy()
+        if init_sync and world.pp > 1 and copy is not None:
             with torch.no_grad():
                 dist.all_reduce(copy.data, group=world.embedding_group)
 
-    def copy(self) -> torch.Tensor:
-        return self.wte.weight if self.first else self.head
+    def copy(self) -> torch.Tensor | None:
+        """This stage's copy of E (None on a middle stage)."""
+        if self.first:
+            return self.wte.weight
+        return self.head if self.last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.wte(x) + self.wpe(torch.arange(x.shape[1])) if self.first else x
@@ -115,14 +121,17 @@ def pipeline_setup(world: World, *, init_sync: bool = True) -> tuple[Any, Any]:
 
 
 def _pipeline_backward(world: World, stage: Stage, tokens: torch.Tensor, targets: torch.Tensor,
-                       head: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """GPipe over send/recv, one micro-batch at a time; the last stage's (input, logits
-    gradient) pairs of its head when ``head`` replaces its weight (a deferred wgrad)."""
+                       defer_from: int | None = None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """GPipe over send/recv, one micro-batch at a time through every stage.  From micro-batch
+    ``defer_from`` on, the last stage computes its head with a detached weight and returns
+    the (input, logits gradient) pairs whose product is the head's weight gradient: a wgrad
+    deferred (Megatron's defer_embedding_wgrad_compute)."""
     M = world.micro_batch_count
     nxt = world.rank_of(world.stage + 1, world.replica) if not world.last_stage else None
     prv = world.rank_of(world.stage - 1, world.replica) if not world.first_stage else None
     deferred = []
-    for x, y in zip(world.micro_batches(tokens), world.micro_batches(targets)):
+    for m, (x, y) in enumerate(zip(world.micro_batches(tokens), world.micro_batches(targets))):
         if world.first_stage:
             h = stage(x)
         else:
@@ -131,25 +140,25 @@ def _pipeline_backward(world: World, stage: Stage, tokens: torch.Tensor, targets
             h_in.requires_grad_(True)
             h = stage(h_in)
         if world.last_stage:
-            if head is None:
+            if defer_from is None or m < defer_from:
                 loss = _loss(stage.logits(h), y) / M
             else:
                 z = stage.ln_f(h)
-                logits = F.linear(z, head)
+                logits = F.linear(z, stage.head.detach())
                 logits.retain_grad()
                 loss = _loss(logits, y) / M
             torch.autograd.backward(loss)
-            if head is not None:
+            if defer_from is not None and m >= defer_from:
                 assert logits.grad is not None  # retained above
                 deferred.append((z.detach(), logits.grad.detach()))
-            if not world.first_stage:
-                assert h_in.grad is not None  # a leaf that requires grad, used by the stage
-                dist.send(h_in.grad.contiguous(), dst=prv)
         else:
             dist.send(h.detach().contiguous(), dst=nxt)
             g = torch.empty_like(h)
             dist.recv(g, src=nxt)
             torch.autograd.backward(h, g)
+        if not world.first_stage:
+            assert h_in.grad is not None  # a leaf that requires grad, used by the stage
+            dist.send(h_in.grad.contiguous(), dst=prv)
     return deferred
 
 
@@ -161,14 +170,22 @@ def _dp_all_reduce(world: World, stage: nn.Module) -> None:
                 p.grad /= world.dp
 
 
-def _embedding_all_reduce(world: World, copy: torch.Tensor) -> None:
-    if world.pp > 1:
+def _embedding_all_reduce(world: World, copy: torch.Tensor | None) -> None:
+    if world.pp > 1 and copy is not None:
         dist.all_reduce(copy.grad, group=world.embedding_group)
+
+
+def _grad_of(copy: torch.Tensor) -> torch.Tensor:
+    """The copy's gradient, made zero if its stage's backward left none (a deferred head)."""
+    if copy.grad is None:
+        copy.grad = torch.zeros_like(copy)
+    return copy.grad
 
 
 def pipeline_step(world: World, state: Any, tokens: torch.Tensor, targets: torch.Tensor
                   ) -> None:
     stage, opt = state["stage"], state["opt"]
+    opt.zero_grad()
     _pipeline_backward(world, stage, tokens, targets)
     _dp_all_reduce(world, stage)  # finalize_model_grads: DP first ...
     _embedding_all_reduce(world, stage.copy())  # ... then the two copies summed
@@ -179,25 +196,59 @@ def not_synced_step(world: World, state: Any, tokens: torch.Tensor, targets: tor
                     ) -> None:
     """piper #13: the copies are duplicated per stage and never synchronised."""
     stage, opt = state["stage"], state["opt"]
+    opt.zero_grad()
     _pipeline_backward(world, stage, tokens, targets)
     _dp_all_reduce(world, stage)
     opt.step()
 
 
-def synced_early_step(world: World, state: Any, tokens: torch.Tensor, targets: torch.Tensor
-                      ) -> None:
+def synced_early_step(world: World, state: Any, tokens: torch.Tensor, targets: torch.Tensor,
+                      defer_from: int = 0) -> None:
     """Megatron-LM #1012: the head's weight gradient is deferred (defer_embedding_wgrad_
     compute) and ``finish_embedding_wgrad_compute`` runs after the grad all-reduce."""
     stage, opt = state["stage"], state["opt"]
-    head = stage.head.detach() if world.last_stage else None
-    deferred = _pipeline_backward(world, stage, tokens, targets, head=head)
+    opt.zero_grad()
+    deferred = _pipeline_backward(world, stage, tokens, targets, defer_from=defer_from)
     _dp_all_reduce(world, stage)
     copy = stage.copy()
-    if copy.grad is None:
-        copy.grad = torch.zeros_like(copy)
+    if copy is not None:
+        _grad_of(copy)
     _embedding_all_reduce(world, copy)
     for z, g in deferred:  # finish_embedding_wgrad_compute, too late
-        copy.grad += g.reshape(-1, V).T @ z.reshape(-1, D)
+        _grad_of(stage.head).add_(g.reshape(-1, V).T @ z.reshape(-1, D))
+    opt.step()
+
+
+def late_micro_step(world: World, state: Any, tokens: torch.Tensor, targets: torch.Tensor
+                    ) -> None:
+    """The head's wgrad deferred past the sync only from the third micro-batch on (a schedule
+    that defers once its warm-up micro-batches are done): right with two micro-batches."""
+    synced_early_step(world, state, tokens, targets, defer_from=2)
+
+
+def not_zeroed_step(world: World, state: Any, tokens: torch.Tensor, targets: torch.Tensor
+                    ) -> None:
+    """The correct pipeline step without its ``zero_grad``: right on a fresh setup, and from
+    the second step on every copy's gradient also holds the last step's (summed again)."""
+    stage, opt = state["stage"], state["opt"]
+    _pipeline_backward(world, stage, tokens, targets)
+    _dp_all_reduce(world, stage)
+    _embedding_all_reduce(world, stage.copy())
+    opt.step()
+
+
+def world_group_step(world: World, state: Any, tokens: torch.Tensor, targets: torch.Tensor
+                     ) -> None:
+    """The copies summed over the world group, not the embedding group (a group argument
+    left out): right where the two coincide (pp=2 x dp=1); on pp=2 x dp=2 every copy holds
+    the sum of four, twice the tied gradient.  A stage without a copy joins with zeros, as a
+    collective over the world must."""
+    stage, opt = state["stage"], state["opt"]
+    opt.zero_grad()
+    _pipeline_backward(world, stage, tokens, targets)
+    _dp_all_reduce(world, stage)
+    copy = stage.copy()
+    dist.all_reduce(_grad_of(copy) if copy is not None else torch.zeros(V, D))
     opt.step()
 
 
@@ -206,11 +257,13 @@ def averaged_step(world: World, state: Any, tokens: torch.Tensor, targets: torch
     """The embedding group averages the copies' gradients (as a DP reduction does) instead of
     summing them: each copy steps by half the tied gradient."""
     stage, opt = state["stage"], state["opt"]
+    opt.zero_grad()
     _pipeline_backward(world, stage, tokens, targets)
     _dp_all_reduce(world, stage)
     copy = stage.copy()
-    dist.all_reduce(copy.grad, group=world.embedding_group)
-    copy.grad /= len(world.embedding_ranks)
+    if copy is not None:
+        dist.all_reduce(copy.grad, group=world.embedding_group)
+        copy.grad /= len(world.embedding_ranks)
     opt.step()
 
 
@@ -221,10 +274,12 @@ def partial_shards_step(world: World, state: Any, tokens: torch.Tensor,
     wte is the first weight of stage 0's buffer, the head copy the last of the last stage's,
     so they fall in different DP ranks' shards, and the all-reduce adds partial results."""
     stage, opt = state["stage"], state["opt"]
+    opt.zero_grad()
     _pipeline_backward(world, stage, tokens, targets)
     copy = stage.copy()
     others = [p for p in stage.parameters() if p is not copy]
-    params = [copy, *others] if world.first_stage else [*others, copy]
+    params = others if copy is None else [copy, *others] if world.first_stage else \
+        [*others, copy]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -257,7 +312,8 @@ def steps_differ_setup(world: World) -> tuple[Any, Any]:
     copy = stage.copy()
     rest = [p for p in stage.parameters() if p is not copy]
     lr = LR * (2.0 if world.last_stage and not world.first_stage else 1.0)
-    groups: list[dict[str, Any]] = [{"params": rest}, {"params": [copy], "lr": lr}]
+    groups: list[dict[str, Any]] = [{"params": rest}] + \
+        ([{"params": [copy], "lr": lr}] if copy is not None else [])
     opt = torch.optim.SGD(groups, lr=LR)
     return {"stage": stage, "opt": opt}, copy
 
@@ -277,7 +333,7 @@ def pipelining_setup(world: World) -> tuple[Any, Any]:
         def forward(self, h: torch.Tensor) -> torch.Tensor:
             return self.s.logits(self.s(h))
 
-    module = stage if world.first_stage else Head(stage)
+    module = Head(stage) if world.last_stage else stage
     pipe = PipelineStage(module, world.stage, world.pp, torch.device("cpu"),
                          group=world.pp_group)
     schedule = ScheduleGPipe(pipe, n_microbatches=world.micro_batch_count, loss_fn=_loss)
@@ -288,11 +344,14 @@ def pipelining_setup(world: World) -> tuple[Any, Any]:
 def pipelining_step(world: World, state: Any, tokens: torch.Tensor, targets: torch.Tensor
                     ) -> None:
     stage, opt, schedule = state["stage"], state["opt"], state["schedule"]
+    opt.zero_grad()
     x, y = world.shard(tokens), world.shard(targets)
     if world.first_stage:
         schedule.step(x)
-    else:
+    elif world.last_stage:
         schedule.step(target=y, losses=[])
+    else:
+        schedule.step()
     _dp_all_reduce(world, stage)
     _embedding_all_reduce(world, stage.copy())
     opt.step()
@@ -310,6 +369,7 @@ def ddp_setup(world: World) -> tuple[Any, Any]:
 
 def ddp_step(world: World, state: Any, tokens: torch.Tensor, targets: torch.Tensor) -> None:
     model, opt = state["model"], state["opt"]
+    opt.zero_grad()
     pairs = list(zip(world.micro_batches(tokens), world.micro_batches(targets)))
     for i, (x, y) in enumerate(pairs):
         if i < len(pairs) - 1:
@@ -335,6 +395,7 @@ def fsdp2_setup(world: World) -> tuple[Any, Any]:
 
 def fsdp2_step(world: World, state: Any, tokens: torch.Tensor, targets: torch.Tensor) -> None:
     model, opt = state["model"], state["opt"]
+    opt.zero_grad()
     pairs = list(zip(world.micro_batches(tokens), world.micro_batches(targets)))
     for i, (x, y) in enumerate(pairs):
         model.set_requires_gradient_sync(i == len(pairs) - 1)

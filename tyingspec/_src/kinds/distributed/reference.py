@@ -74,8 +74,10 @@ def build_reference(spec: str, target: DistributedTarget, seed: int) -> nn.Modul
 
 
 def reference(spec: str, target: DistributedTarget, seed: int, tokens: np.ndarray,
-              targets: np.ndarray, dp: int, micro: int) -> Reference:
-    """The components of the reference's tied gradient for this split of the batch."""
+              targets: np.ndarray, dp: int, micro: int, step: int = 0) -> Reference:
+    """The components of the reference's tied gradient for this split of the batch, the
+    batch of step ``step`` (0-based; the ranks seed each step as this does), taken at the
+    reference's E: the ranks start every step from ``setup``'s parameters."""
     model = build_reference(spec, target, seed)
     E = tied(spec, model, target.embedding)
     lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is E]
@@ -101,7 +103,7 @@ def reference(spec: str, target: DistributedTarget, seed: int, tokens: np.ndarra
     components: list[Part] = []
     per_position = np.zeros((t.numel(), d))
     total = 0.0
-    torch.manual_seed(seed + 1)
+    torch.manual_seed(seed + 1 + step)
     try:
         for r in range(dp):
             for m in range(micro):
@@ -109,9 +111,16 @@ def reference(spec: str, target: DistributedTarget, seed: int, tokens: np.ndarra
                 xs, ys = t[lo:lo + per], y[lo:lo + per]
                 model.zero_grad(set_to_none=True)
                 dx.clear()
-                logits = model(xs)
-                loss = F.cross_entropy(logits.reshape(-1, V), ys.reshape(-1)) / (dp * micro)
-                torch.autograd.backward(loss)
+                try:
+                    logits = model(xs)
+                    loss = F.cross_entropy(logits.reshape(-1, V), ys.reshape(-1)) / (dp * micro)
+                    torch.autograd.backward(loss)
+                except Exception as exc:
+                    # the single-process model, not a rank: its phase named as such
+                    raise AdapterError(
+                        spec, f"the reference model raised in its forward or backward (the "
+                        f"single-process reference, on replica {r}'s micro-batch {m} of step "
+                        f"{step + 1})", got=f"{type(exc).__name__}: {exc}") from exc
                 total += float(loss.detach())
                 g = torch.zeros(V, d, dtype=torch.float64) if E.grad is None else \
                     E.grad.detach().to(torch.float64)

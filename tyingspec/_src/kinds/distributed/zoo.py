@@ -37,22 +37,26 @@ def _lazy(name: str) -> Callable[..., Any]:
     return call
 
 
-def _target(setup: str, step: str, layouts: tuple[tuple[int, int], ...], micro: int = 2,
-            ) -> DistributedTarget:
+def _target(setup: str, step: str, layouts: tuple[tuple[int, int], ...]) -> DistributedTarget:
+    # the default micro-batch counts (3 or 4) and batch (24 x 6): only the layouts are chosen
     return DistributedTarget(reference=_lazy("reference"), embedding="wte.weight",
-                             setup=_lazy(setup), step=_lazy(step), layouts=layouts,
-                             micro_batches=micro, batch_size=4, seq_len=6)
+                             setup=_lazy(setup), step=_lazy(step), layouts=layouts)
 
 
 PP2 = ((2, 1),)
+DP2 = ((2, 2),)
 gpt_pp2 = _target("pipeline_setup", "pipeline_step", PP2)
-gpt_pp2_dp2 = _target("pipeline_setup", "pipeline_step", ((2, 2),))
+gpt_pp2_dp2 = _target("pipeline_setup", "pipeline_step", DP2)
+gpt_pp3 = _target("pipeline_setup", "pipeline_step", ((3, 1),))
 gpt_pipelining = _target("pipelining_setup", "pipelining_step", PP2)
 gpt_ddp = _target("ddp_setup", "ddp_step", ((1, 2),))
 gpt_fsdp2 = _target("fsdp2_setup", "fsdp2_step", ((1, 2),))
 gpt_pp2_not_synced = _target("pipeline_setup", "not_synced_step", PP2)
 gpt_pp2_synced_early = _target("pipeline_setup", "synced_early_step", PP2)
-gpt_pp2_dp2_partial_shards = _target("pipeline_setup", "partial_shards_step", ((2, 2),))
+gpt_pp2_late_micro = _target("pipeline_setup", "late_micro_step", PP2)
+gpt_pp2_not_zeroed = _target("pipeline_setup", "not_zeroed_step", PP2)
+gpt_pp2_dp2_partial_shards = _target("pipeline_setup", "partial_shards_step", DP2)
+gpt_pp2_dp2_world_group = _target("pipeline_setup", "world_group_step", DP2)
 gpt_pp2_averaged = _target("pipeline_setup", "averaged_step", PP2)
 gpt_pp2_init_diverge = _target("init_diverge_setup", "pipeline_step", PP2)
 gpt_pp2_steps_differ = _target("steps_differ_setup", "pipeline_step", PP2)
@@ -62,6 +66,8 @@ DISTRIBUTED_BUILTINS: dict[str, DistributedBuiltin] = {b.name: b for b in [
                        "embedding-group all-reduce after the DP all-reduce", None, "correct"),
     DistributedBuiltin("gpt-pp2-dp2", "gpt_pp2_dp2", "the same pipeline on pp=2 x dp=2",
                        None, "correct"),
+    DistributedBuiltin("gpt-pp3", "gpt_pp3", "the same pipeline on 3 stages: the middle one "
+                       "holds blocks and no copy", None, "correct"),
     DistributedBuiltin("gpt-pipelining", "gpt_pipelining", "2 stages on torch.distributed."
                        "pipelining (ScheduleGPipe), then the embedding-group all-reduce", None,
                        "correct"),
@@ -75,6 +81,15 @@ DISTRIBUTED_BUILTINS: dict[str, DistributedBuiltin] = {b.name: b for b in [
     DistributedBuiltin("gpt-pp2-synced-early", "gpt_pp2_synced_early", "the head's deferred "
                        "wgrad added after the embedding all-reduce (Megatron-LM #1012, #656)",
                        "SUM", "replica_synced_early"),
+    DistributedBuiltin("gpt-pp2-late-micro", "gpt_pp2_late_micro", "the head's wgrad deferred "
+                       "past the embedding all-reduce from the third micro-batch on (right "
+                       "with two micro-batches)", "SUM", "replica_synced_early"),
+    DistributedBuiltin("gpt-pp2-not-zeroed", "gpt_pp2_not_zeroed", "the pipeline step "
+                       "without its zero_grad: right on a fresh setup, stale from the second "
+                       "step on", "FRESH", "gradient_not_zeroed"),
+    DistributedBuiltin("gpt-pp2-dp2-world-group", "gpt_pp2_dp2_world_group", "the copies "
+                       "all-reduced over the world group, not the embedding group (right "
+                       "where the two coincide, pp=2 x dp=1)", "SCALE", "path_scaled"),
     DistributedBuiltin("gpt-pp2-dp2-partial-shards", "gpt_pp2_dp2_partial_shards", "DP "
                        "reduce-scatter before the PP embedding all-reduce (Megatron-LM #844)",
                        "SUM", "replica_partial_shards"),
