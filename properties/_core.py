@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import UnsatisfiedAssumption
 
 from tyingspec._src.core.cases import Case
-from tyingspec._src.core.diagnosis import Diagnosis
+from tyingspec._src.core.diagnosis import UNINFORMATIVE, Diagnosis
 from tyingspec._src.core.render import batch_lines, diagnosis_lines
 from tyingspec._src.engine.observe import Observation, Target
 
@@ -131,17 +131,31 @@ def label_locked(check: Check) -> Check:
     """``check`` for one Hypothesis run in which every failure keeps the first failure's
     diagnosis label: shrinking then ends at the smallest batch *with that diagnosis*, not at a
     batch so small that two bugs look alike (one present row hides a padding mask behind
-    "input path missing").  Examples failing with another label are discarded, not passed."""
-    first: list[str] = []
+    "input path missing").  Examples failing with another label are discarded, not passed.
+
+    A first label that names no bug (``unknown``, ``no_power``: e.g. every row present, so the
+    rows cannot say which path is wrong) is not kept: the lock moves once, to the first
+    informative label a failure shows, and never back, so shrinking goes on to a batch that
+    names the bug instead of keeping batches that cannot.  A batch that failed before the move
+    keeps failing as it did: Hypothesis replays its smallest failure at the end, and a replay
+    that no longer fails would be reported as flaky."""
+    lock: list[str] = []
+    before_move: set[Case] = set()  # failures accepted under an uninformative lock
 
     def locked(target: Target, case: Case) -> None:
         try:
             check(target, case)
         except PropertyFailure as exc:
-            if not first:
-                first.append(exc.label)
-            elif exc.label != first[0]:
-                discard(f"shrinking keeps the diagnosis {first[0]} (this batch: {exc.label})")
+            if not lock:
+                lock.append(exc.label)
+            elif exc.label != lock[0]:
+                if lock[0] in UNINFORMATIVE and exc.label not in UNINFORMATIVE:
+                    lock[0] = exc.label
+                elif case not in before_move:
+                    discard(f"shrinking keeps the diagnosis {lock[0]} (this batch: "
+                            f"{exc.label})")
+            if lock[0] in UNINFORMATIVE:
+                before_move.add(case)
             raise
 
     return locked

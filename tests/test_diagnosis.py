@@ -157,3 +157,56 @@ def test_forward_pattern_names_exact_patterns_only_from_a_finished_search() -> N
     for partial in (False, True):
         assert forward_pattern([3, 9], tokens, V, input_reached=False,
                                partial=partial)[0] == "input_path_missing"
+
+
+def _head_from_tanh(case: Case) -> tuple[np.ndarray, object]:
+    """A newcomer's head bug: the output path built from ``tanh(u)`` instead of ``h``
+    (``g.T @ tanh(u)``), with the input path right; and the reference paths."""
+    from tyingspec._src.core.paths import forward_parts
+
+    b, paths = _paths(case)
+    p = forward_parts(b.E, b.E, b.W, b.b, b.tokens, b.targets, b.res, b.s_in)
+    return paths.dE_in + p.g.T @ np.tanh(p.x @ b.W), paths
+
+
+# V = 3, d = 1, one distinct token: the output path has one degree of freedom, so g.T @ tanh(u)
+# is g.T @ h times tanh(u)/h (x0.0949 at seed 0), though three rows are wrong.  The plugin's
+# shrinking reached both shapes and called them path_scaled; larger batches of the same bug
+# said output_path_wrong.
+ONE_DATUM = [Case(name="one-token-d1", V=3, d=1, N=1, seed=0, bias=False),
+             Case(name="one-token-twice-d1", V=3, d=1, N=2, seed=0, bias=False,
+                  composition="one-token")]
+
+
+@pytest.mark.parametrize("case", ONE_DATUM, ids=lambda c: c.name)
+def test_a_wrong_head_gradient_with_one_degree_of_freedom_is_not_called_a_scale(
+        case: Case) -> None:
+    dE, paths = _head_from_tanh(case)
+    diag = diagnose(dE, paths)
+    assert len(set(paths.tokens.tolist())) == 1 and diag.rows_wrong == 3
+    assert diag.label == "output_path_wrong", diag.headline()
+    assert diag.scales is None
+
+
+@pytest.mark.parametrize("case", [Case(name="d2", V=3, d=2, N=1, seed=0, bias=False),
+                                  Case(name="two-tokens", V=4, d=1, N=2, seed=0, bias=False,
+                                       composition="distinct"),
+                                  Case(name="larger", V=12, d=4, N=6, seed=3)],
+                         ids=lambda c: c.name)
+def test_the_same_head_bug_is_output_path_wrong_wherever_the_rows_can_tell(case: Case) -> None:
+    dE, paths = _head_from_tanh(case)
+    assert diagnose(dE, paths).label == "output_path_wrong", diagnose(dE, paths).headline()
+
+
+@pytest.mark.parametrize(("case", "a", "c"), [
+    (ONE_DATUM[0], 1.0, 16.0),  # one datum, but a simple factor: the logit scale dropped
+    (ONE_DATUM[0], 0.7, 0.7),  # both paths alike: the input path's entry is a second datum
+    (Case(name="larger", V=12, d=4, N=6, seed=3), 1.0, 0.7),  # enough data to refute 0.7
+])
+def test_a_scale_the_example_could_have_refuted_is_still_named(case: Case, a: float,
+                                                                c: float) -> None:
+    _, paths = _paths(case)
+    diag = diagnose(a * paths.dE_in + c * paths.dE_out, paths)
+    assert diag.label == "path_scaled", diag.headline()
+    assert diag.scales is not None
+    np.testing.assert_allclose(diag.scales, (a, c), rtol=1e-6, atol=1e-12)

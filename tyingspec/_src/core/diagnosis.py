@@ -9,7 +9,7 @@ asks whether its own example *could* have told those apart from a correct gradie
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -32,8 +32,9 @@ from tyingspec._src.core.tolerance import (
 )
 
 #: Labels that say less than a catalogue or path label: a run that also reached one of those is
-#: named by it (an example with every row present cannot say which path is wrong).
-_UNINFORMATIVE = ("unknown", "no_power")
+#: named by it (an example with every row present cannot say which path is wrong), and the
+#: properties' shrinking moves on from them to the first that names the bug (label_locked).
+UNINFORMATIVE = ("unknown", "no_power")
 
 #: A label that is a special case of another: where a run's examples reached both, the general
 #: one names the run (dx missing a term is "input path missing" on an example with res = 0).
@@ -47,7 +48,7 @@ def run_label(labels: Sequence[str]) -> str:
     of its wrong examples, so that both front ends name one bug alike: the most frequent
     informative label, a special case counted as its general label when both were seen, and a
     tie going to the label seen first (never to a set's order, which follows PYTHONHASHSEED)."""
-    pool = [x for x in labels if x not in _UNINFORMATIVE] or list(labels)
+    pool = [x for x in labels if x not in UNINFORMATIVE] or list(labels)
     if not pool:
         return "unknown"
     seen = set(pool)
@@ -385,17 +386,19 @@ def _simple(x: float, n: int) -> bool:
     """Whether ``x`` is a number a stray factor is made of: an integer or the reciprocal of one
     up to 64, or the batch's N or 1/N (a sum where a mean was meant)."""
     return any(math.isclose(x, v, rel_tol=1e-9) or math.isclose(x, 1 / v, rel_tol=1e-9)
-               for v in (*range(2, 65), n))
+               for v in (*range(2, 65), max(n, 2)))  # (a batch without tokens: no N to add)
 
 
-def _one_factor(view: _Dense | _Sketched, *, simple_only: int = 0) -> tuple[float, float] | None:
+def _one_factor(view: _Dense | _Sketched, *, simple: Collection[str] = (),
+                n: int = 0) -> tuple[float, float] | None:
     """The stray factor of ``path_scaled``: one positive number that puts every row within its
     bound of ``a dE_in + dE_out`` (the input path scaled), ``dE_in + c dE_out`` (the output
     path) or ``k (dE_in + dE_out)`` (both alike, e.g. averaged).  Two free factors fit far too
     much (on a small batch any wrong row is some mix of the two paths), and a negative or zero
     one is not a scale but another bug; so a fit of that kind is no explanation, and None.
-    ``simple_only`` (the batch's N) keeps only a simple factor (see :func:`_simple`): with one
-    wrong entry any factor fits, and only a simple one is more than a coincidence."""
+    ``simple`` names the fits (``in``, ``out``, ``both``) whose factor counts only when it is a
+    simple number (see :func:`_simple`; ``n`` the batch's N): where the example holds one
+    datum for that fit any factor fits, and only a simple one is more than a coincidence."""
     actual, d_in, d_out = view.columns()
 
     def along(direction: Array, rest: Array) -> float:
@@ -409,12 +412,24 @@ def _one_factor(view: _Dense | _Sketched, *, simple_only: int = 0) -> tuple[floa
         # Least squares leaves a factor ~1e-15 off, which a float64 row bound can notice:
         # a stray factor is a simple number (x16, x0.5, xN), so try it rounded first.
         for f in (float(f"{k:.6g}"), k) if math.isfinite(k) else ():
-            if f <= 0 or abs(f - 1) < 1e-12 or (simple_only and not _simple(f, simple_only)):
+            if f <= 0 or abs(f - 1) < 1e-12 or (which in simple and not _simple(f, n)):
                 continue
             x, y = {"in": (f, 1.0), "out": (1.0, f), "both": (f, f)}[which]
             if bool(view.lin_ok(x, y).all()):
                 return x, y
     return None
+
+
+def _output_path_data(distinct: int, V: int, d: int) -> int:
+    """How many independent numbers a wrong output path can move: a head gradient built from
+    the wrong activations (``g.T @ tanh(u)`` for ``g.T @ h``) is ``g.T @ X`` for some X, a
+    space of dimension rank(g) d.  Positions of one token share h (a probe model's h is a
+    function of its token), so they act as one, and each position's g sums to zero over the
+    vocabulary: rank(g) <= min(distinct tokens, V - 1).  (A model whose h depends on context
+    has up to N such positions; counting distinct tokens errs toward naming no scale.)  Below
+    2, every wrong head gradient is the right one times a factor (V = 3, d = 1, N = 1: three
+    wrong rows, one datum), and a factor fitted there says nothing about a scale."""
+    return min(distinct, V - 1) * d
 
 
 #: Occurrences of one token beyond which the subsets of them are not enumerated (2^12 sums).
@@ -636,9 +651,15 @@ def diagnose(
         # One wrong entry fits any factor, and two can be one datum: each position's logit
         # gradient sums to zero over the vocabulary, so dx moved from one row to another (V = 2,
         # d = 1) is exactly the output path scaled.  Below three wrong entries only a simple
-        # factor (x2, x1/16, xN) is evidence of a scale.
-        scaled = _one_factor(view, simple_only=0 if _wrong_entries(view, wrong_rows, tol) >= 3
-                             else int(tokens.shape[0]))
+        # factor (x2, x1/16, xN) is evidence of a scale; and a wrong head gradient is one
+        # datum however many entries it moves when the output path has one degree of freedom
+        # (see _output_path_data: d = 1 and one distinct token).
+        simple: tuple[str, ...] = ()
+        if _wrong_entries(view, wrong_rows, tol) < 3:
+            simple = ("in", "out", "both")
+        elif _output_path_data(len(uniq), V, raw.shape[1]) < 2:
+            simple = ("out",)
+        scaled = _one_factor(view, simple=simple, n=int(tokens.shape[0]))
         # each wrong row holds some of its occurrences (see the per-row causes); the declared
         # padding row aside, whose occurrences the reference leaves out by declaration (a
         # scatter that keeps one occurrence, index_copy_, skips the padding mask too: it is
@@ -743,12 +764,13 @@ def _n(count: int, noun: str) -> str:
 
 def forward_pattern(wrong: Sequence[int], tokens: np.ndarray, V: int, *,
                     padding_idx: int | None = None, input_reached: bool = True,
-                    partial: bool = False) -> tuple[Label, str]:
+                    partial: bool = False, output_reached: bool = True) -> tuple[Label, str]:
     """Name rows found wrong by the forward alone (``core.localize``: no reference, the
     torch and jax kinds' gradient against the forward) from where they sit in the batch: the
     catalogue's patterns (the rows of repeated tokens, every present row, the padding row),
     and the detail that says why.  ``input_reached``: whether autograd shows the lookup
-    reaching E at all.  ``partial``: the search stopped at its budget, so ``wrong`` is what
+    reaching E at all, ``output_reached`` the same of the head.  ``partial``: the search
+    stopped at its budget, so ``wrong`` is what
     it confirmed first and other rows are undecided; a pattern that needs every wrong row
     ("exactly ...") is then not named."""
     counts = np.bincount(tokens, minlength=V)
@@ -762,6 +784,9 @@ def forward_pattern(wrong: Sequence[int], tokens: np.ndarray, V: int, *,
     if padding_idx is not None and rows == {padding_idx} and not partial:
         return "padding_row_masked", (f": row {padding_idx} is padding_idx, whose output "
                                       "path is masked too")
+    if not output_reached and input_reached:
+        # autograd shows no output path (a head over a detached weight): every row lacks it
+        return "output_path_missing", (": and the head never reaches E through autograd")
     if rows <= present and not input_reached:
         # autograd itself shows no input path (the rows found are those a dropped input path
         # makes wrong; at low precision the smallest may stay within the forward's tolerance)
@@ -776,4 +801,11 @@ def forward_pattern(wrong: Sequence[int], tokens: np.ndarray, V: int, *,
         return "duplicates_not_accumulated", ": exactly rows of tokens seen more than once"
     if rows == present:
         return "input_path_wrong", ": exactly the rows of tokens in the batch"
+    if rows < present:
+        # rows of tokens read once among them (so not a repeat's), every absent row right: the
+        # input path is wrong where it was confirmed; the other present rows may be within the
+        # forward's tolerance (a small error on a row read few times)
+        return "input_path_wrong", (f": rows of tokens in the batch only ({len(rows)} of "
+                                    f"{len(present)} present rows confirmed, a token read "
+                                    "once among them), every absent row right")
     return "gradient_disagrees_with_forward", ""
