@@ -223,3 +223,178 @@ def test_without_a_real_retie_torch_unties_on_assign_and_to_empty() -> None:
     meta = found["meta-device init + to_empty() + re-tie"]
     assert (meta.outcome, meta.label) == ("failed", "tie_lost")
     assert "storages 0x" in meta.detail and "the target's retie" in meta.detail
+
+
+# --- at the run's precision (issue 49 §3) -------------------------------------------------------
+
+def led() -> nn.Module:
+    """transformers' LEDModelTester configuration (tests/models/led/test_modeling_led.py)."""
+    from transformers import LEDConfig, LEDForConditionalGeneration
+
+    return LEDForConditionalGeneration(LEDConfig(
+        vocab_size=99, d_model=16, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=4,
+        decoder_ffn_dim=4, max_position_embeddings=32, eos_token_id=2, pad_token_id=1,
+        bos_token_id=0, attention_window=4))
+
+
+def led_loss(model: nn.Module) -> torch.Tensor:
+    # 13 positions: LED pads them to 16 (a multiple of 2 x attention_window), and its float64
+    # backward through that padding is NaN in some entries (its float32 one is finite)
+    tokens = (torch.arange(26).reshape(2, 13) * 7 + 3) % 99
+    out: torch.Tensor = model(input_ids=tokens, labels=tokens).loss
+    return out
+
+
+LED_EMB, LED_HEAD = "led.shared.weight", "lm_head.weight"
+
+
+def test_the_optimizer_check_runs_in_the_models_own_dtype() -> None:
+    # the model trains in float32; a float64 build of it gives a NaN gradient that was read as
+    # "moved although the closed-form update is zero" (unknown, exit 1)
+    found = optimizer_findings(led, LED_EMB, LED_HEAD, optimizer=None, loss_of=led_loss)
+    assert [(f.outcome, f.detail) for f in found] == [("passed", "moved by exactly one update")] * 2
+
+
+def test_a_nan_the_models_backward_produces_is_named_not_called_a_tie_bug() -> None:
+    torch.manual_seed(0)
+    assert not torch.isfinite(_grad_of(led().double(), led_loss, LED_EMB)).all()  # the premise
+    found = optimizer_findings(led, LED_EMB, LED_HEAD, optimizer=None, loss_of=led_loss,
+                               dtype=torch.float64)
+    for f in found:
+        assert f.outcome == "passed" and f.label is None, f
+        assert "not finite at float64" in f.detail and "NaN" in f.detail, f
+        assert "no tie bug" in f.detail and "moved by exactly one update" in f.detail
+
+
+def _grad_of(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor],
+             name: str) -> torch.Tensor:
+    loss_of(model).backward()  # type: ignore[no-untyped-call]
+    grad = model.get_parameter(name).grad
+    assert grad is not None
+    return grad
+
+
+class NaNLoss(Tiny):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx, targets) * torch.tensor(float("nan"))
+
+
+def test_a_gradient_with_no_finite_entry_leaves_the_update_unjudged() -> None:
+    for f in optimizer_findings(NaNLoss, EMB, HEAD, optimizer=None, loss_of=tiny_loss):
+        assert f.outcome == "not_applicable", f
+        assert f"{VOCAB * WIDTH} of {VOCAB * WIDTH} entries ({VOCAB * WIDTH} NaN)" in f.detail
+
+
+def test_a_twice_listed_tie_is_still_caught_beside_a_nan_gradient() -> None:
+    def both(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for _, p in m.named_parameters(remove_duplicate=False)],
+                               lr=0.01)
+
+    f = optimizer_findings(NaNLoss, EMB, HEAD, optimizer=both, loss_of=tiny_loss)[-1]
+    assert (f.outcome, f.label) == ("failed", "optimizer_sees_tie_twice"), f
+    assert "listed 2 times" in f.detail and "NaN" in f.detail
+
+
+class MaxNorm(Tiny):
+    """nn.Embedding(max_norm=...): the forward rescales the rows it reads in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer.wte = nn.Embedding(VOCAB, WIDTH, max_norm=1.0)
+        self.lm_head.weight = self.transformer.wte.weight
+
+
+def test_the_update_is_measured_from_where_the_forward_left_the_table() -> None:
+    # the step starts from the renormalised rows: measured from the values before the
+    # forward, the one correct update read as 1.16 (SGD) or 1.92 (AdamW) updates
+    found = optimizer_findings(MaxNorm, EMB, HEAD, optimizer=None, loss_of=tiny_loss)
+    assert all(f.outcome == "passed" for f in found), found
+
+
+def test_at_bfloat16_a_second_update_still_shows() -> None:
+    def bf16() -> nn.Module:
+        return Tiny().to(torch.bfloat16)
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        return tiny_loss(m).float()
+
+    once = optimizer_findings(bf16, EMB, HEAD, loss_of=loss,
+                              optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01))
+    assert once[-1].outcome == "passed" and "exactly one update" in once[-1].detail, once
+
+    def twice(m: nn.Module) -> torch.optim.Optimizer:
+        # the update applied twice, with the tie held once: only the update can show it
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+        once = opt.step
+
+        def step(closure: object = None) -> None:
+            once()
+            opt.state.clear()
+            once()
+        opt.step = step  # type: ignore[method-assign]
+        return opt
+
+    f = optimizer_findings(bf16, EMB, HEAD, loss_of=loss, optimizer=twice)[-1]
+    assert (f.outcome, f.label) == ("failed", "optimizer_sees_tie_twice"), f
+    moved = float(f.detail.split("moved by ")[1].split()[0])
+    assert 1.8 < moved < 2.2, f
+
+
+def test_an_update_below_the_dtypes_rounding_is_not_claimed_as_seen() -> None:
+    def bf16() -> nn.Module:
+        return Tiny().to(torch.bfloat16)
+
+    f = optimizer_findings(bf16, EMB, HEAD, loss_of=lambda m: tiny_loss(m).float(),
+                           optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1e-6))[-1]
+    assert f.outcome == "not_applicable", f
+    assert "within bfloat16's rounding" in f.detail
+
+
+def test_identity_checks_build_at_the_precision_asked() -> None:
+    seen: list[torch.dtype] = []
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        seen.append(m.get_parameter(EMB).dtype)
+        return tiny_loss(m)
+
+    found = identity_findings(Retied, EMB, HEAD, retie=None, loss_of=loss, dtype=torch.float64)
+    assert seen == [torch.float64]  # the one optimizer step
+    assert outcomes({f.check: f for f in found}) == outcomes(
+        {f.check: f for f in identity_findings(Retied, EMB, HEAD, retie=None,
+                                               loss_of=tiny_loss)})
+    optimizer_findings(Retied, EMB, HEAD, optimizer=None, loss_of=loss, dtype=torch.float64)
+    assert seen == [torch.float64] * 3
+
+
+class WeightNormed(nn.Module):
+    """A functional head on a weight-normed lookup: the tied table is W = g * v / |v|, and
+    the optimizer holds g and v (the parametrization's originals)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        torch.nn.utils.parametrizations.weight_norm(self.wte)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.wte(idx))
+        return F.cross_entropy(F.linear(x, self.wte.weight).flatten(0, 1), targets.flatten())
+
+
+V_NAME = "wte.parametrizations.weight.original1"  # weight norm's v, [V, d]: the tie's name
+
+
+def test_a_parametrized_tables_parameters_are_each_checked_once() -> None:
+    found = optimizer_findings(WeightNormed, V_NAME, V_NAME, optimizer=None, loss_of=tiny_loss)
+    for f in found:
+        assert f.outcome == "passed", f
+        assert f"{V_NAME}: moved by exactly one update" in f.detail
+        assert "wte.parametrizations.weight.original0: moved by exactly one update" in f.detail
+
+    def v_twice(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD([*m.parameters(), m.get_parameter(V_NAME)], lr=0.01)
+
+    f = optimizer_findings(WeightNormed, V_NAME, V_NAME, optimizer=v_twice,
+                           loss_of=tiny_loss)[-1]
+    assert (f.outcome, f.label) == ("failed", "optimizer_sees_tie_twice"), f
+    assert f"{V_NAME}: the tied Parameter is listed 2 times" in f.detail

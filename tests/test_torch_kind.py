@@ -47,10 +47,13 @@ def test_every_torch_builtin_gets_its_label_from_check(name: str) -> None:
 
 
 def test_the_model_shape_is_the_models_own() -> None:
+    # its vocabulary and width; its whole context (8 positions), in batches of a thousand
+    # tokens or more (at most 16 sequences)
     report = check_target("gpt2", "torch", 0, standard_cases(0))
     case = report.results[0].case
-    assert (case.V, case.d, case.N) == (61, 16, 2 * 8)
-    assert any("V=61 d=16 N=16" in n for n in report.notes)
+    assert (case.V, case.d, case.N) == (61, 16, 16 * 8)
+    assert "B=16,T=8" in case.setting
+    assert any("V=61 d=16" in n and "16 x 8 = 128 tokens" in n for n in report.notes)
     # the probe model's settings do not apply to a model that brings its own
     assert {r.case.name for r in report.results} == {
         "absent-tokens", "repeated-tokens", "one-token-repeated", "token-zero"}

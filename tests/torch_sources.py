@@ -52,6 +52,13 @@ def check(tmp_path: Path, module: str, source: str, attr: str = "make_model", *,
     return check_target(f"{module}:{attr}", "torch", 0, cases, paths=(str(tmp_path),))
 
 
+def shapes(rep: CheckReport) -> set[tuple[int, int]]:
+    """(sequences, positions) of every case the report ran (its torch setting)."""
+    from tyingspec._src.kinds.torch.setting import parse
+
+    return {(parse(r.case.setting).B, parse(r.case.setting).T) for r in rep.results}
+
+
 def summary(rep: CheckReport) -> str:
     """The report's verdict and every finding that did not pass, for an assertion message."""
     lines = [f"exit {rep.exit_code} {rep.diagnosis_label}; load_error={rep.load_error!r}",

@@ -15,8 +15,9 @@ Three families, all built from tiny configs (nothing is downloaded):
   copy tie (the head given its own Parameter while the config still declares the tie).
 
 Every size is tiny: vocabulary 97 (not a power of two), width 32 (16 for a few), 1-2 layers,
-2 heads, context >= 64.  Dropout probabilities stay at each config's defaults, so a checker
-must handle a model built in train mode.  Each factory is deterministic given
+2 heads, context >= 64; LED and Longformer keep transformers' own tester configurations.
+Dropout probabilities stay at each config's defaults, so a checker must handle a model built
+in train mode.  Each factory is deterministic given
 ``torch.manual_seed``; none seeds itself.
 
 :data:`ZOO` lists every entry with what ``tyingspec check tests.transformers_zoo:<factory>
@@ -35,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+from tyingspec import TorchTarget
 
 V = 97  # not a power of two
 D = 32
@@ -272,6 +275,24 @@ bert_mlm = _hf("BertForMaskedLM", "BertConfig", **_BERT_LIKE, max_position_embed
                **_TIED)
 roberta_mlm = _hf("RobertaForMaskedLM", "RobertaConfig", **_BERT_LIKE,
                   max_position_embeddings=CTX + 2, **_TIED)
+
+# transformers' own tester configurations (LEDModelTester, LongformerModelTester in
+# tests/models/{led,longformer}/test_modeling_*.py), sizes as they are.  Longformer attention
+# pads a sequence to a multiple of 2 x attention_window; through that padding the float64
+# backward is NaN in some entries, while in float32, the dtype they train in, it is finite.
+led = _hf("LEDForConditionalGeneration", "LEDConfig", vocab_size=99, d_model=16,
+          encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+          decoder_attention_heads=4, encoder_ffn_dim=4, decoder_ffn_dim=4, dropout=0.1,
+          attention_dropout=0.1, max_position_embeddings=32, eos_token_id=2, pad_token_id=1,
+          bos_token_id=0, attention_window=4)
+longformer_mlm = _hf("LongformerForMaskedLM", "LongformerConfig", vocab_size=99,
+                     hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=37, hidden_act="gelu", hidden_dropout_prob=0.1,
+                     attention_probs_dropout_prob=0.1, max_position_embeddings=512,
+                     type_vocab_size=16, initializer_range=0.02, attention_window=4)
+# 13 positions, which the attention pads to 16: where the float64 backward is NaN
+led_padded = TorchTarget(model=led, seq_len=13)
+longformer_mlm_padded = TorchTarget(model=longformer_mlm, seq_len=13)
 
 # --- untied transformers architectures (no tie: exit 2) ----------------------------------------
 
@@ -901,13 +922,6 @@ def _correct(name: str, factory: str, notes: str = "", *, encoder_decoder: bool 
     return ZooEntry(name, factory, "correct", 0, (), encoder_decoder, masked_lm, notes)
 
 
-def _no_power(name: str, factory: str, notes: str) -> ZooEntry:
-    """A correct model trained in bfloat16 throughout: its rows' bfloat16 rounding bound
-    exceeds a dropped path, and the forward check cannot tell either, so the honest verdict is
-    ``no_power`` (exit 1, never "correct"); a float32 build of it is checked as correct."""
-    return ZooEntry(name, factory, "no-power", 1, ("no_power",), False, False, notes)
-
-
 def _untied(name: str, factory: str, notes: str = "", *, masked_lm: bool = False) -> ZooEntry:
     return ZooEntry(name, factory, "untied", 2, ("found no tie",), False, masked_lm,
                     notes or "tie_word_embeddings=False")
@@ -1015,6 +1029,15 @@ ZOO: tuple[ZooEntry, ...] = (
              masked_lm=True),
     _correct("roberta-mlm", "roberta_mlm", "MLM head; position ids from padding_idx=1",
              masked_lm=True),
+    _correct("led", "led", "LEDModelTester's config: Longformer attention in the encoder",
+             encoder_decoder=True),
+    _correct("led-padded", "led_padded", "13 positions, padded to 16 by its attention: the "
+             "float64 backward is NaN there, the float32 one it trains in is not",
+             encoder_decoder=True),
+    _correct("longformer-mlm", "longformer_mlm", "LongformerModelTester's config; MLM head",
+             masked_lm=True),
+    _correct("longformer-mlm-padded", "longformer_mlm_padded", "13 positions, padded to 16 "
+             "by its attention: the float64 backward is NaN there", masked_lm=True),
     _untied("llama-untied", "llama_untied"),
     _untied("mistral-untied", "mistral_untied"),
     _untied("qwen2-untied", "qwen2_untied"),
@@ -1025,13 +1048,15 @@ ZOO: tuple[ZooEntry, ...] = (
              "minGPT Block.mlpf: a lambda attribute closing over the original module"),
     _correct("scratch-llama-fp32", "scratch_llama_fp32",
              "LLMs-from-scratch Llama 3: dtype=cfg['dtype'] (float32), head input cast to it"),
-    _no_power("scratch-llama-bf16", "scratch_llama_bf16",
-              "LLMs-from-scratch Llama 3 with cfg['dtype'] = bfloat16, cast to it in forward "
-              "(it cannot run wider), so every check is at bfloat16"),
+    _correct("scratch-llama-bf16", "scratch_llama_bf16",
+             "LLMs-from-scratch Llama 3 with cfg['dtype'] = bfloat16, cast to it in forward "
+             "(it cannot run wider): its rows' bfloat16 bound exceeds a dropped path, and the "
+             "training steps, judged over every entry at once, have the power and agree"),
     _correct("scratch-mamba-fp32", "mamba_style_fp32",
              "Mamba-style head: .float() logits from a float32 body"),
-    _no_power("scratch-mamba-bf16", "mamba_style_bf16",
-              "Mamba-style head: .float() logits from a bfloat16 body"),
+    _correct("scratch-mamba-bf16", "mamba_style_bf16",
+             "Mamba-style head: .float() logits from a bfloat16 body (judged as the Llama "
+             "above)"),
     _correct("scratch-scaled-embedding", "scaled_embedding_subclass",
              "nn.Embedding subclass returning super().forward(ids) * sqrt(d)"),
     _correct("scratch-torchtune-tied-linear", "torchtune_tied_linear",

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from tyingspec._src.kinds.probe.builtins import REGISTRY
     from tyingspec._src.kinds.probe.implementations import register
     from tyingspec._src.kinds.table import KINDS, Kind, resolve
-    from tyingspec._src.kinds.torch.target import TorchTarget
+    from tyingspec._src.kinds.torch.target import StepBatch, TorchTarget
 
 _WHERE: dict[str, str] = {
     "AdapterError": "._src.core.adapters",
@@ -90,6 +90,7 @@ _WHERE: dict[str, str] = {
     "symbolic_paths": "._src.core.symbolic",
     "tolerance_for": "._src.core.tolerance",
     "TorchTarget": "._src.kinds.torch.target",
+    "StepBatch": "._src.kinds.torch.target",
     "DistributedTarget": "._src.kinds.distributed.target",
 }
 
@@ -116,6 +117,7 @@ __all__ = [
     "Power",
     "Precision",
     "Returned",
+    "StepBatch",
     "Target",
     "Tolerance",
     "TorchTarget",

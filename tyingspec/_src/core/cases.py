@@ -39,6 +39,10 @@ from tyingspec._src.core.tolerance import numpy_dtype
 #: the vocabulary absent; ``crowded``: uniform, meant for N > V; ``no-zero``: uniform over 1..V-1.
 COMPOSITIONS = ("random", "distinct", "repeats", "one-token", "with-zero", "multiplicity",
                 "sparse", "crowded", "no-zero")
+#: Compositions a kind gives a case at its own shape, never drawn by the strategies (see
+#: ``kinds.torch.setting.at_model_shape``); a replay line may name them.  ``mixed``:
+#: ``distinct`` tokens all present, a quarter of them exactly once, the others the rest.
+SHAPED_COMPOSITIONS = ("mixed",)
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,15 @@ class Case:
     # the user's --shape: a target with a shape of its own (a torch model) keeps this N (its
     # batch x sequence) and must have this V and d
     given_shape: bool = False
+    # a target-built model's training configuration for this case, "key=value,..." (the torch
+    # kind's sequences, padding, loss path, micro-batches, steps, autocast, compile: see
+    # kinds.torch.setting); only the kind that reads it gives it meaning
+    setting: str = ""
 
     def describe(self) -> str:
         if not self.probe:
-            return f"V={self.V} d={self.d} N={self.N} seed={self.seed}"
+            text = f"V={self.V} d={self.d} N={self.N} seed={self.seed}"
+            return text + (f" {self.setting}" if self.setting else "")
         text = self._describe()
         if self.padding_idx is not None:
             text += f" padding_idx={self.padding_idx}"
@@ -90,6 +99,17 @@ class Case:
         low = "" if rank is None else f" E of rank {rank}"
         return (f"V={self.V} d={self.d} N={self.N} res={self.res:g} s_in={self.s_in:g} {b} "
                 f"{self.dtype}{scale}{low} seed={self.seed}")
+
+    def with_setting(self, key: str, value: str) -> Case:
+        """This case with ``key=value`` in its setting (a command-line flag such as
+        ``--autocast``, set for every case of a kind that takes it)."""
+        parts = [p for p in self.setting.split(",") if p and p.partition("=")[0] != key]
+        return replace(self, setting=",".join([*parts, f"{key}={value}"]))
+
+    def setting_value(self, key: str) -> str | None:
+        """The value ``key`` has in this case's setting, or None."""
+        return next((p.partition("=")[2] for p in self.setting.split(",")
+                     if p.partition("=")[0] == key), None)
 
     def with_batch(self, tokens: IntArray, targets: IntArray) -> Case:
         return replace(self, N=int(tokens.shape[0]), tokens=tuple(int(t) for t in tokens),
@@ -107,6 +127,7 @@ class Batch:
     s_in: float
     padding_idx: int | None = None
     ce: str = ""  # a linear-ce case's options (see Case.ce)
+    setting: str = ""  # a target-built model's configuration (see Case.setting)
     ce_weight: Array | None = None  # drawn class weights, when the case asks for them
     grad_output: Array | None = None  # drawn [N] upstream gradient for reduction="none"
     # the kind's inputs, kept when E was let go (see :func:`released`); None: built from E
@@ -149,6 +170,12 @@ def _tokens(case: Case, rng: np.random.Generator) -> IntArray:
         k = min(case.distinct or max(1, V // 8), V, N)
         pool = rng.choice(V, size=k, replace=False)
         return rng.permutation(np.concatenate([pool, rng.choice(pool, size=N - k)]))
+    if case.composition == "mixed":
+        # ``distinct`` tokens, all present: a quarter of them exactly once, the others the rest
+        k = min(case.distinct or max(1, V // 2), V, N)
+        pool = rng.choice(V, size=k, replace=False)
+        more = pool[k // 4:]
+        return rng.permutation(np.concatenate([pool, rng.choice(more, size=N - k)]))
     if case.composition == "no-zero":
         if V < 2:
             raise ValueError(f"case {case.name!r}: tokens without 0 need V >= 2, got V={V}")
@@ -286,7 +313,7 @@ def build(case: Case) -> Batch:
         tokens = _tokens(case, rng).astype(np.int64)
         targets = rng.integers(case.V, size=case.N).astype(np.int64)
     batch = Batch(E, W, b, tokens, targets, case.res, case.s_in, case.padding_idx,
-                  low_rank=low_rank)
+                  low_rank=low_rank, setting=case.setting)
     if case.ce:
         batch = with_ce(batch, case, explicit=case.targets is not None)
     return batch

@@ -97,12 +97,24 @@ class KindSpec:
     # why a case cannot run on a target, from what the target says of itself (its options);
     # None: it can (see ``engine.observe.runnable``)
     unfit: Callable[[dict[str, Any], Case], str | None] | None = None
+    # the cases at the target's own shape, from what it says of itself (``engine.observe.
+    # described``), and the report's notes on them; None: every case at the one shape
+    # ``own_shape`` asks of the target (see ``engine.observe.shaped``)
+    shape_cases: Callable[[str, dict[str, Any], list[Case]],
+                          tuple[list[Case], list[str]]] | None = None
+    # settings the command line (``--autocast bfloat16``, ``--compile``) and the API set for
+    # every case, as ``key=value`` in its setting (see ``Case.with_setting``), with the values
+    # each takes (an empty string: the flag alone, given its first value)
+    flags: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # True when the target runs in its own dtype unless one is declared: the engine hands it
     # ``precision`` ("auto" or the declared one) with its inputs (a torch model)
     takes_precision: bool = False
     # why a callable is not an adapter of this kind, when the positional/keyword names cannot
     # say (a linear-ce kernel class: options in its constructor, the arrays in ``forward``)
     signature: Callable[[Callable[..., Any]], str | None] | None = None
+    # what the worker process does before it imports a target of this kind (linear-ce: the
+    # Triton interpreter switched on where no GPU is, which must precede triton's import)
+    before_import: Callable[[], None] | None = None
 
     def mismatch(self, fn: Callable[..., Any]) -> str | None:
         """Why ``fn`` does not look like an adapter of this kind; None when it does."""
@@ -116,7 +128,10 @@ def seeded_inputs(batch: Batch) -> Inputs:
     tokens, the targets, and a seed drawn from the tokens, so a replay of the case rebuilds the
     same initialisation (and the forward check's directions)."""
     seed = zlib.crc32(np.ascontiguousarray(batch.tokens, dtype=np.int64).tobytes())
-    return {"tokens": batch.tokens, "targets": batch.targets, "seed": seed}
+    inputs: Inputs = {"tokens": batch.tokens, "targets": batch.targets, "seed": seed}
+    if batch.setting:
+        inputs["setting"] = batch.setting
+    return inputs
 
 
 def observed_reference(kind: str, inputs: Inputs, returned: Returned | None) -> Paths:

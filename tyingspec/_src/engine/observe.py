@@ -382,9 +382,12 @@ def _padding(diag: Diagnosis, returned: Returned, paths: Paths,
     return diag
 
 
+#: Passed checks whose power vouches for rows that had none (see :func:`_with_findings`).
+_VOUCHING = ("gradient against the forward", "gradient at every training step")
+
 #: Checks a wrong row outranks: they test the gradient too, and the row diagnosis says more.
 _AFTER_ROWS = ("gradient against the forward", "fresh gradient", "micro-batches accumulate",
-               "gradient after training steps")
+               "gradient at every training step")
 
 
 def _with_findings(diag: Diagnosis, returned: Returned) -> Diagnosis:
@@ -397,14 +400,15 @@ def _with_findings(diag: Diagnosis, returned: Returned) -> Diagnosis:
     if first is None and not diag.wrong:
         first = next((f for f in returned.findings if f.failed), None)
     rows_label = diag.label
-    vouched = next((f for f in returned.findings if f.check == "gradient against the forward"
+    vouched = next((f for f in returned.findings if f.check in _VOUCHING
                     and f.outcome == "passed" and f.power), None)
     if first is None and diag.label == "no_power" and vouched is not None:
         # the rows cannot tell at this precision (a bfloat16 model's bound can exceed a row),
-        # or are the model's own (uses not observed); the forward check can, and agrees
+        # or are the model's own (uses not observed); the forward check, or the training
+        # steps judged over every entry at once, can, and agree
         diag = replace(diag, label="correct", detail=(
-            f"{diag.detail}; the forward check has that power (it fails the gradient without "
-            "its input path) and agrees"))
+            f"{diag.detail}; {vouched.check} has that power (it would fail the gradient "
+            "without a path) and agrees"))
     if first is not None:
         label, detail = first.label or "unknown", f"{first.check}: {first.detail}"
         if _summed_exactly(first, diag, returned):
@@ -437,6 +441,8 @@ def _summed_exactly(first: Finding, diag: Diagnosis, returned: Returned) -> bool
 def own_case(target: Target, case: Case) -> Case:
     """``case`` at the target's own shape (see :func:`shape_of`; asked once per target), its
     composition and seed kept: how a property draws batches for a torch model."""
+    if target.table.shape_cases is not None:
+        return target.table.shape_cases(target.spec, described(target), [case])[0][0]
     shape = shape_of(target)
     if shape is None:
         return case
@@ -485,6 +491,8 @@ def shaped(target: Target, cases: list[Case]) -> tuple[list[Case], list[str]]:
         unfit = [(c.name, why) for c in cases if (why := runnable(target, c)) is not None]
         cases = [c for c in cases if runnable(target, c) is None]
         return cases, [f"left out {name}: {why}" for name, why in unfit]
+    if target.table.shape_cases is not None:
+        return target.table.shape_cases(target.spec, described(target), cases)
     shape = shape_of(target)
     if shape is None:
         return cases, []

@@ -28,14 +28,17 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
           precision: PrecisionChoice = "auto", cases: Sequence[Case] | None = None,
           case: str | None = None, timeout: float = DEFAULT_TIMEOUT,
           shrink_budget: float = DEFAULT_SHRINK_BUDGET,
-          paths: Sequence[str] | None = None) -> CheckReport:
+          paths: Sequence[str] | None = None, shape: tuple[int, int, int] | None = None,
+          autocast: str | None = None, compile: str | bool | None = None) -> CheckReport:
     """Check ``target`` (a built-in name or ``module:attr``) as ``tyingspec check`` does and
     return the :class:`~tyingspec.CheckReport`: ``.ok``, ``.diagnosis``, ``.cases``,
     ``.raise_for_failure()``.
 
     ``kind`` defaults to a built-in's own kind, else ``"model"``; ``cases`` to the kind's own
     seeded cases (``case`` picks one of them by name); ``paths`` (default: the current
-    directory) go first on the worker's ``sys.path``.  Bad input raises ``ValueError`` (a
+    directory) go first on the worker's ``sys.path``.  ``shape=(V, d, N)``, ``autocast=`` and
+    ``compile=`` are ``--shape``, ``--autocast`` and ``--compile`` (``compile=True``: torch's
+    default backend).  Bad input raises ``ValueError`` (a
     ``UsageError`` where the command line exits 2) naming what is wrong; an adapter that
     cannot be loaded or called is in the report (``verdict == "adapter_error"``), never an
     exception from here."""
@@ -51,6 +54,19 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
             raise ValueError(f"tyingspec.check: no case {case!r} for --kind {kind}; known: "
                              + ", ".join(c.name for c in chosen))
         chosen = named
+    from tyingspec._src.front.cli import flagged
+
+    chosen = flagged(table, chosen, autocast=autocast,
+                     compile="inductor" if compile is True else compile or None)
+    if shape is not None:
+        from tyingspec._src.core.cases import at_shape
+
+        if len(shape) != 3 or not all(isinstance(n, int) and n > 0 for n in shape):
+            raise ValueError(f"tyingspec.check: shape= takes (V, d, N), positive integers; "
+                             f"got {shape!r}")
+        chosen, _ = at_shape(chosen, *shape)
+        if not chosen:
+            raise ValueError(f"tyingspec.check: no case runs at shape={shape!r}")
     from tyingspec._src.engine.warm import WARM
 
     return check_target(target, kind, seed, chosen, precision=precision,

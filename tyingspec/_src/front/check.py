@@ -182,6 +182,10 @@ def replay_command(target: Target, base_seed: int, case: Case) -> str:
              str(base_seed), "--case", case.name]
     if target.precision != "auto":
         parts += ["--precision", target.precision]
+    for key, _ in target.table.flags:  # --autocast, --compile
+        value = case.setting_value(key)
+        if value:
+            parts += [f"--{key}", value]
     if case.given_shape:  # --shape, or a proxy of a case at it
         parts += ["--shape", f"{case.V},{case.d},{case.N}"]
     if case.padding_idx is not None and case.probe:

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,7 +25,14 @@ from tyingspec._src.core.options import (
 )
 from tyingspec._src.kinds.table import KIND_NAMES
 
+if TYPE_CHECKING:
+    from tyingspec._src.core.cases import Case
+    from tyingspec._src.core.kind import KindSpec
+
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
+#: One call's timeout under --compile: torch.compile's inductor compiles C++ for each graph on
+#: its first calls (on a busy 2-core machine a small model's first case took over 120 s).
+COMPILE_TIMEOUT = 900.0
 #: A run ended by Ctrl-C: the status a shell gives a command that SIGINT ended (128 + 2).
 EXIT_INTERRUPTED = 130
 
@@ -46,13 +54,23 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--shape", type=shape, metavar="V,d,N",
                    help="run every case at this vocabulary, width and batch length, keeping "
                         "its composition (the cases defined by their shape are left out)")
+    p.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
+                   help="--kind torch: run every pass under torch.autocast in this dtype (the "
+                        "gradient is judged at its precision)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None,
+                   choices=("inductor", "aot_eager", "eager"), metavar="BACKEND",
+                   help="--kind torch: judge the gradient of torch.compile(model) (backend "
+                        "inductor unless named: inductor, aot_eager, eager) against its eager "
+                        "twin's uses")
     p.add_argument("--padding-idx", type=int, default=None, metavar="P",
                    help="a model kind adapter with nn.Embedding(padding_idx=P) semantics: it is "
                         "passed padding_idx=P, and the input path is expected to skip row P "
                         "(the output path still reaches it)")
     p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="seconds one call of the target may take before it is ended as an "
-                        "adapter error (default %(default)g); the remaining cases still run")
+                        f"adapter error (default {DEFAULT_TIMEOUT:g}, {COMPILE_TIMEOUT:g} "
+                        "with --compile, whose first calls compile); the remaining cases "
+                        "still run")
     p.add_argument("--shrink-budget", type=shrink_budget, default=DEFAULT_SHRINK_BUDGET,
                    metavar="SECONDS",
                    help="seconds the whole run may spend shrinking failing batches, and "
@@ -100,6 +118,21 @@ _COMMANDS: tuple[tuple[str, str, str | None, Callable[[argparse.ArgumentParser],
      "inspect FILE: how the embedding and head are stored; convert IN OUT --to tied|untied "
      "--policy ...: rewrite it.", _configure_ckpt),
 )
+
+
+def flagged(spec: KindSpec, cases: list[Case], **flags: str | None) -> list[Case]:
+    """``cases`` with the command line's settings (``--autocast``, ``--compile``) set on each,
+    for a kind that takes them (ValueError naming the flag and the kinds that do)."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    takes = dict(spec.flags)
+    for key, value in given.items():
+        if key not in takes:
+            raise ValueError(f"--{key} applies to a kind that runs its own model "
+                             f"(--kind torch), not --kind {spec.name}")
+        if value not in takes[key]:
+            raise ValueError(f"--{key} {value}: expected one of {', '.join(takes[key])}")
+        cases = [c.with_setting(key, value) for c in cases]
+    return cases
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -218,7 +251,11 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.kind = _builtin_kind(args.target)
     spec = kind_spec(args.kind)
     _require_extras(args.target, args.kind, args.precision)
-    cases = spec.cases(args.seed)
+    try:
+        cases = flagged(spec, spec.cases(args.seed), autocast=args.autocast,
+                        compile=args.compile)
+    except ValueError as exc:
+        parser.error(str(exc))
     # --case first: a case named here and then left out by --shape or --padding-idx is told
     # why below, not reported as unknown
     if args.case:
@@ -293,7 +330,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Like `python -m` and uvicorn: a `module:attr` target is looked up from the current
     # directory, in the worker process that imports it (tyingspec's own imports never are).
     report = check_target(args.target, args.kind, args.seed, cases, precision=args.precision,
-                          shrink_budget=args.shrink_budget, timeout=args.timeout,
+                          shrink_budget=args.shrink_budget,
+                          timeout=COMPILE_TIMEOUT if args.compile and
+                          args.timeout == DEFAULT_TIMEOUT else args.timeout,
                           paths=target_paths(),
                           on_result=lambda r: print("\n".join(render_case(
                               r, structural=r is report_first(r))), flush=True))

@@ -73,7 +73,8 @@ def early_target(argv: Sequence[str]) -> tuple[str, str, float] | None:
     rest = list(argv[2:])
     for i, arg in enumerate(rest):
         name, eq, value = arg.partition("=")
-        if arg in ("-h", "--help", "--list", "--"):
+        if arg in ("-h", "--help", "--list", "--") or name == "--compile":
+            # --compile takes a longer timeout than the one read here
             return None
         if name in given:
             if not eq:

@@ -233,6 +233,7 @@ def replay_problem(kind: str, case: Case) -> str | None:
     (:func:`replay_problem_at`)."""
     from tyingspec._src.core.cases import (
         COMPOSITIONS,
+        SHAPED_COMPOSITIONS,
         batch_problem,
         ce_ignore_index,
         ce_problem,
@@ -246,9 +247,9 @@ def replay_problem(kind: str, case: Case) -> str | None:
         return f"{', '.join(small)}: V, d and N must be >= 1"
     if case.seed < 0:
         return f"seed={case.seed}: a seed is >= 0"
-    if case.composition not in COMPOSITIONS:
+    if case.composition not in COMPOSITIONS + SHAPED_COMPOSITIONS:
         return (f"composition={case.composition}: expected one of "
-                + ", ".join(COMPOSITIONS))
+                + ", ".join(COMPOSITIONS + SHAPED_COMPOSITIONS))
     if case.dtype not in ("float64", "float32", "bfloat16", "float16"):
         return f"dtype={case.dtype}: expected float64, float32, bfloat16 or float16"
     if case.padding_idx is not None and not 0 <= case.padding_idx < case.V:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,15 +17,26 @@ from torch import nn
 
 from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.findings import Finding, failed, passed
+from tyingspec._src.kinds.torch.batch import TorchBatch
+from tyingspec._src.kinds.torch.tables import install as install_tables
+from tyingspec._src.kinds.torch.tables import (
+    lookup_tables,
+    table_module,
+    table_shape,
+    tables,
+    tables_of,
+    unchanged_tables,
+)
 from tyingspec._src.kinds.torch.target import TorchTarget
 
 #: The invariant the discovery check guards.
 ONE_PARAMETER = "the embedding and the head are one Parameter with one storage"
 
-#: The longest sequence a check runs by default (a model's context may be thousands of
-#: positions; ``TorchTarget(seq_len=...)`` or ``--shape`` go further).  Long enough to pass the
-#: chunk boundaries of chunked lookups and losses (16, 32, 64 positions).
-MAX_SEQ_LEN = 128
+#: The sequence a check runs when the model declares no context length (no config key, no
+#: position table): ``TorchTarget(seq_len=...)`` or ``--shape`` go further.  A model that
+#: declares one is run at its whole context (within the check's budget, see
+#: :mod:`kinds.torch.setting`).
+MAX_SEQ_LEN = 256
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,16 @@ class Tie:
     targets_keyword: bool = False  # passed by keyword (a keyword-only parameter)
     no_cache: bool = False  # forward takes use_cache: passed False (RWKV needs it)
     scale_grad_by_freq: bool = False  # the embedding divides by each token's count per call
+    # every loss path the model has, the one ``convention`` names first (see loss_paths)
+    paths: tuple[str, ...] = ()
+    ids_keyword: bool = False  # the forward's first parameter is ``input_ids``: by keyword
+    takes_mask: bool = False  # the forward takes ``attention_mask``
+    # the ignore index the model's loss takes (probed: -100, else -1); None: none it takes
+    ignore_index: int | None = None
+    pad_token: int | None = None  # the pad token a config names, within the vocabulary
+    context: int | None = None  # the context length the model declares, where it does
+    # the forward's other required parameters named like targets, handed the targets too
+    required_targets: tuple[str, ...] = ()
 
 
 def as_target(spec: str, obj: Any) -> TorchTarget:
@@ -69,6 +90,8 @@ def build_model(spec: str, target: TorchTarget, seed: int) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise AdapterError(spec, "the model factory returned something else",
                            expected="a torch.nn.Module", got=type(model).__name__)
+    # a tied table under a parametrization: its dL/dW is summed where W is made
+    install_tables(model)
     return model
 
 
@@ -97,11 +120,17 @@ def _module_weight_name(model: nn.Module, getter: str) -> tuple[str | None, Any]
     except Exception:  # noqa: BLE001  (a model may not implement it: not a tie)
         return None, None
     weight = getattr(module, "weight", None)
+    path = next((name for name, m in model.named_modules(remove_duplicate=False)
+                 if m is module), None)
     if not isinstance(weight, nn.Parameter):
-        return None, None
-    for name, m in model.named_modules(remove_duplicate=False):
-        if m is module:
-            return (f"{name}.weight" if name else "weight"), weight
+        # a parametrized weight: the tie is named by the Parameter it is computed from
+        table = next((t for t in tables(model) if path is not None and
+                      t.module == path and t.attribute == "weight"), None)
+        if table is None:
+            return None, None
+        return table.key, model.get_parameter(table.key)
+    if path is not None:
+        return (f"{path}.weight" if path else "weight"), weight
     return _name_of(model, weight), weight
 
 
@@ -142,9 +171,10 @@ def _no_tie_reason(model: nn.Module) -> str:
 
 def _pairs(model: nn.Module) -> list[tuple[str, str]]:
     """(embedding-like, head-like) names: nn.Embedding weights against 2-D weights of the same
-    shape elsewhere (an output projection)."""
-    emb = [(f"{m}.weight" if m else "weight", mod.weight) for m, mod in model.named_modules()
-           if isinstance(mod, nn.Embedding)]
+    shape elsewhere (an output projection).  A parametrized lookup is named by the Parameter
+    its weight is computed from (weight norm's ``v`` holds the weight it was registered on,
+    so a head that kept that weight pairs with it)."""
+    emb = lookup_tables(model)
     out: list[tuple[str, str]] = []
     for name, w in emb:
         for other, p in model.named_parameters(remove_duplicate=False):
@@ -157,6 +187,30 @@ def _is_embedding_use(model: nn.Module, name: str) -> bool:
     return isinstance(owner(model, name), nn.Embedding)
 
 
+def _reads_rows(model: nn.Module, name: str) -> bool:
+    """Whether a lookup reads the Parameter ``name``: as its own weight, or through a
+    parametrization of its weight (``name`` is then one of the parametrization's originals)."""
+    return _is_embedding_use(model, name) or any(
+        isinstance(model.get_submodule(t.module) if t.module else model, nn.Embedding)
+        for t in tables_of(model, name) if name in t.originals)
+
+
+def _computed_uses(model: nn.Module, names: list[str]) -> str | None:
+    """Why one Parameter under ``names`` is no tie of one matrix: one use reads a
+    parametrization of it and another the Parameter itself (a module parametrized after the
+    tie was made), so the two uses consume two matrices.  None when every use reads the same
+    kind of table."""
+    computed = {n: [t for t in tables_of(model, n) if n in t.originals] for n in names}
+    if not any(computed.values()) or all(computed.values()):
+        return None
+    table = next(t for ts in computed.values() for t in ts)
+    raw = [n for n, ts in computed.items() if not ts]
+    return (f"{table.name} is computed from the Parameter by {table.how}, while "
+            f"{', '.join(raw)} reads the Parameter itself: the two uses consume two "
+            "different matrices (a module parametrized after the tie was made); "
+            f"parametrize both, or have the head read {table.name}")
+
+
 def find_tie(spec: str, model: nn.Module, target: TorchTarget) -> tuple[str, str, str, Finding]:
     """The tied pair ``(embedding, head, how)`` and the discovery finding: passed when they are
     one Parameter, failed (``tie_is_a_copy``) when a tie is declared or apparent but they are
@@ -167,12 +221,15 @@ def find_tie(spec: str, model: nn.Module, target: TorchTarget) -> tuple[str, str
             raise AdapterError(spec, "TorchTarget names one use of the tie",
                                expected="both embedding= and head=",
                                got=f"embedding={target.embedding!r}, head={target.head!r}")
+        # a parametrized weight ("wte.weight") is named by the Parameter it is computed from
+        named = {t.name: t.key for t in tables(model)}
+        emb, head = (named.get(n, n) for n in (target.embedding, target.head))
         try:
-            a, b = model.get_parameter(target.embedding), model.get_parameter(target.head)
+            a, b = model.get_parameter(emb), model.get_parameter(head)
         except AttributeError as exc:
             raise AdapterError(spec, "TorchTarget names a parameter the model lacks",
                                got=str(exc)) from exc
-        return _judged(check, target.embedding, target.head, a, b, "named by the TorchTarget")
+        return _judged(check, emb, head, a, b, "named by the TorchTarget")
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -192,16 +249,20 @@ def find_tie(spec: str, model: nn.Module, target: TorchTarget) -> tuple[str, str
                            declared or "equal values at construction")
     # 2. one Parameter under two names, one of them a lookup's
     shared = [ns for key, ns in names.items() if len(ns) >= 2 and params[key].dim() == 2
-              and any(_is_embedding_use(model, n) for n in ns)]
+              and any(_reads_rows(model, n) for n in ns)]
     if shared:
         ns = next((n for n in shared if emb_name in n), shared[0])
-        first = next(n for n in ns if _is_embedding_use(model, n))
+        first = next(n for n in ns if _reads_rows(model, n))
         # the head: a name whose module is no lookup (Bart: shared, encoder.embed_tokens,
         # decoder.embed_tokens and lm_head are four names of one Parameter)
-        second = next((n for n in ns if n != first and not _is_embedding_use(model, n)),
+        second = next((n for n in ns if n != first and not _reads_rows(model, n)),
                       next(n for n in ns if n != first))
-        return first, second, f"one Parameter reachable under {len(ns)} names", passed(
-            check, ONE_PARAMETER, " is ".join(ns))
+        how = f"one Parameter reachable under {len(ns)} names"
+        two = _computed_uses(model, ns)
+        if two is not None:
+            return first, second, how, failed(check, ONE_PARAMETER, "tie_lost",
+                                              f"{' is '.join(ns)}, but {two}")
+        return first, second, how, passed(check, ONE_PARAMETER, " is ".join(ns))
     # 3. an embedding and an output projection of the same shape holding equal values
     for a_name, b_name in _pairs(model):
         a, b = model.get_parameter(a_name), model.get_parameter(b_name)
@@ -238,6 +299,13 @@ def _judged(check: str, emb: str, head: str, a: torch.Tensor, b: torch.Tensor,
             f"{emb} and {head} are two Parameters over one storage ({_storage(a):#x}) where "
             f"a tie is expected ({how}): what load_state_dict(assign=True) leaves; each gets "
             "only its own path's gradient and an optimizer keeps two states for one matrix")
+    if a.dim() == b.dim() == 2 and a.shape[0] != b.shape[0]:
+        return emb, head, how, failed(
+            check, ONE_PARAMETER, "tie_lost",
+            f"{emb} holds {a.shape[0]} rows and {head} {b.shape[0]}: the two uses no longer "
+            f"share a vocabulary where a tie is declared ({how}): a resize "
+            "(resize_token_embeddings) replaced one of them and nothing re-tied them; the "
+            f"check runs on the {min(a.shape[0], b.shape[0])} tokens both hold")
     if not _equal(a, b):
         return emb, head, how, failed(
             check, ONE_PARAMETER, "tie_lost",
@@ -253,6 +321,44 @@ def _judged(check: str, emb: str, head: str, a: torch.Tensor, b: torch.Tensor,
         "use gets its own gradient and the optimizer steps two matrices")
 
 
+def _computed_note(model: nn.Module, emb: str, finding: Finding) -> Finding:
+    """The discovery finding, saying where a parametrized table is judged."""
+    found = tables_of(model, emb)
+    if not found:
+        return finding
+    names = " and ".join(dict.fromkeys(t.name for t in found))
+    note = (f"the uses read {names}, computed from {', '.join(found[0].originals)} by "
+            f"{found[0].how}: the tied gradient is judged at the parametrized weight (dL/dW, "
+            "summed over the uses), before the parametrization's own backward")
+    return replace(finding, detail=f"{finding.detail}; {note}" if finding.detail else note)
+
+
+def _vocabulary(model: nn.Module, emb: str, head: str) -> tuple[int, int]:
+    """The vocabulary and width a check runs at: the table's (a parametrized table's is the
+    shape of the tensor its uses read); where the tie is lost and the two uses hold different
+    vocabularies (a resize that replaced one of them), the tokens both hold, so that the model
+    runs and the lost tie is what the check reports."""
+    V, d = (int(n) for n in table_shape(model, emb)[:2])
+    if head != emb:
+        rows = table_shape(model, head)
+        if len(rows) == 2 and rows[1] == d:
+            V = min(V, int(rows[0]))
+    return V, d
+
+
+def _leaves_the_model_as_found(
+        describe: Callable[[str, nn.Module, TorchTarget], tuple[Tie, Finding]]
+) -> Callable[[str, nn.Module, TorchTarget], tuple[Tie, Finding]]:
+    """``describe`` whose probe forwards leave no trace on the model (see
+    :func:`kinds.torch.tables.unchanged_tables`: ``nn.Embedding(max_norm=...)``)."""
+    def described(spec: str, model: nn.Module, target: TorchTarget) -> tuple[Tie, Finding]:
+        with unchanged_tables(model):
+            return describe(spec, model, target)
+    described.__doc__ = describe.__doc__
+    return described
+
+
+@_leaves_the_model_as_found
 def describe(spec: str, model: nn.Module, target: TorchTarget) -> tuple[Tie, Finding]:
     """The tie, the vocabulary, width, padding and batch shape a check of ``model`` uses."""
     try:
@@ -264,17 +370,54 @@ def describe(spec: str, model: nn.Module, target: TorchTarget) -> tuple[Tie, Fin
         emb = head = found
         how = "one Parameter read by a lookup and used by a head in one forward"
         finding = passed("tie discovered", ONE_PARAMETER, f"{found}: {how}")
-    weight = model.get_parameter(emb)
-    V, d = int(weight.shape[0]), int(weight.shape[1])
-    pad = getattr(owner(model, emb), "padding_idx", None)
+    finding = _computed_note(model, emb, finding)
+    V, d = _vocabulary(model, emb, head)
+    lookup = table_module(model, emb)  # the module reading the table: its options are the tie's
+    pad = getattr(lookup, "padding_idx", None)
+    tie = replace(_called(model, target, emb, V, d), embedding=emb, head=head,
+                  padding_idx=None if pad is None else int(pad), how=how,
+                  scale_grad_by_freq=bool(getattr(lookup, "scale_grad_by_freq", False)))
+    tie = replace(tie, seq_len=_fitting_seq_len(model, target, tie))
+    return replace(tie, paths=loss_paths(model, target, tie),
+                   ignore_index=_ignore_index(model, target, tie)), finding
+
+
+def _called(model: nn.Module, target: TorchTarget, emb: str, V: int, d: int) -> Tie:
+    """How the model is called: its convention and the parameters its forward takes."""
     conv, param, keyword = convention(model, target)
-    tie = Tie(emb, head, V, d, None if pad is None else int(pad), conv,
-              max(1, target.batch_size), seq_len(model, target, emb), how,
-              targets_param=param, targets_keyword=keyword,
-              no_cache=_accepts(model, "use_cache"),
-              scale_grad_by_freq=bool(getattr(owner(model, emb), "scale_grad_by_freq",
-                                              False)))
-    return replace(tie, seq_len=_fitting_seq_len(model, target, tie)), finding
+    params = _forward_parameters(model) or []
+    names = [p.name for p in params]
+    required = tuple(p.name for p in params if p.default is p.empty and p.name in _TARGET_NAMES
+                     and p.kind != p.KEYWORD_ONLY)
+    return Tie(emb, emb, V, d, None, conv, max(1, target.batch_size or 2),
+               seq_len(model, target, emb), "", targets_param=param, targets_keyword=keyword,
+               no_cache="use_cache" in names, paths=(conv,),
+               ids_keyword=bool(names) and names[0] == "input_ids",
+               takes_mask="attention_mask" in names, pad_token=_pad_token(model, V),
+               context=_declared_context(model, emb), required_targets=required)
+
+
+def _declared_context(model: nn.Module, embedding: str) -> int | None:
+    """The context the model declares: its config's, capped by its position tables (None
+    where it declares neither)."""
+    limits = _position_tables(model, embedding)
+    context = _context(model)
+    if context is not None:
+        limits.append(context)
+    return max(2, min(limits)) if limits else None
+
+
+def _pad_token(model: nn.Module, vocab: int) -> int | None:
+    config = getattr(model, "config", None)
+    sources: list[Any] = [config] if config is not None else []
+    text = getattr(config, "get_text_config", None)
+    if callable(text):
+        try:
+            sources.insert(0, text())
+        except Exception:  # noqa: BLE001 - a config's own helper; the top config still counts
+            pass
+    found = next(declared_ints([s for s in sources if s is not None], ("pad_token_id",)), None)
+    return found if found is not None and 0 <= found < vocab else None
 
 
 #: Positions :func:`_fitting_seq_len` gives up, one at a time, before it leaves the length as
@@ -298,7 +441,7 @@ def _fitting_seq_len(model: nn.Module, target: TorchTarget, tie: Tie) -> int:
         ids = torch.arange(n).reshape(1, -1) % tie.vocab
         try:
             with torch.no_grad():
-                run(model, ids, ids)
+                run(model, TorchBatch(ids, ids))
         except IndexError:
             continue
         except Exception:  # noqa: BLE001 - not a length the model cannot index: reported later
@@ -313,17 +456,14 @@ def _tie_by_uses(model: nn.Module, target: TorchTarget) -> str | None:
     the Parameter under one name); None when no weight is used both ways."""
     from tyingspec._src.kinds.torch.uses import observed_uses
 
-    candidates = [(f"{m}.weight" if m else "weight", mod.weight)
-                  for m, mod in model.named_modules() if isinstance(mod, nn.Embedding)]
-    conv, param, keyword = convention(model, target)
+    candidates = lookup_tables(model)  # a parametrized one by the Parameter it is made from
     for name, weight in candidates:
-        probe = Tie(name, name, int(weight.shape[0]), int(weight.shape[1]), None, conv, 1,
-                    min(8, seq_len(model, target, name)), "", targets_param=param,
-                    targets_keyword=keyword, no_cache=_accepts(model, "use_cache"))
+        called = _called(model, target, name, int(weight.shape[0]), int(weight.shape[1]))
+        probe = replace(called, batch_size=1, seq_len=min(8, called.seq_len))
         ids = torch.arange(probe.seq_len).reshape(1, -1) % probe.vocab
         try:
             with observed_uses(weight) as uses:
-                loss_function(target, probe)(model, ids, ids)
+                loss_function(target, probe)(model, TorchBatch(ids, ids))
         except Exception:  # noqa: BLE001  (this candidate's forward failed: not this one)
             continue
         if uses.lookups and uses.heads:
@@ -375,15 +515,16 @@ def _position_tables(model: nn.Module, embedding: str) -> list[int]:
 
 
 def seq_len(model: nn.Module, target: TorchTarget, embedding: str = "") -> int:
-    """The positions of one sequence: the target's own, else the model's context length
-    (at most ``MAX_SEQ_LEN``) and never past its shortest position table."""
+    """The positions of one sequence: the target's own, else the model's context length and
+    never past its shortest position table (:data:`MAX_SEQ_LEN` where neither is declared).
+    The check's budget may run fewer (see :mod:`kinds.torch.setting`)."""
     if target.seq_len:
         return int(target.seq_len)
-    limits = [MAX_SEQ_LEN, *_position_tables(model, embedding)]
+    limits = _position_tables(model, embedding)
     context = _context(model)
     if context is not None:
         limits.append(context)
-    return max(2, min(limits))
+    return max(2, min(limits)) if limits else MAX_SEQ_LEN
 
 
 #: Names a forward's targets parameter goes by (nanoGPT ``targets``, minGPT ``targets``,
@@ -432,41 +573,113 @@ def _logits_of(out: Any) -> torch.Tensor:
     return out if logits is None else logits  # type: ignore[no-any-return]
 
 
-def loss_function(target: TorchTarget, tie: Tie) -> Callable[[nn.Module, torch.Tensor,
-                                                              torch.Tensor], torch.Tensor]:
-    """``loss(model, tokens [B, T], targets [B, T]) -> scalar``: the loss the model trains
-    with, in the target's convention.  A model with its own loss (``labels=``, ``targets``)
-    is judged on it: a wrong normalisation is part of what is checked."""
+def forward(m: nn.Module, tie: Tie, path: str, batch: TorchBatch) -> Any:
+    """The model's forward on ``batch`` along loss path ``path`` (``labels``: transformers'
+    ``labels=``; ``targets``: its targets argument; ``logits``: no targets at all).  Only
+    parameters the forward takes are handed over; a required parameter named like targets
+    that the path does not use gets the targets too (``forward(idx, targets, labels)``)."""
+    kwargs: dict[str, Any] = {"use_cache": False} if tie.no_cache else {}
+    if tie.takes_mask and batch.mask is not None:
+        kwargs["attention_mask"] = batch.mask
+    args: list[Any] = []
+    if tie.ids_keyword:
+        kwargs["input_ids"] = batch.tokens
+    else:
+        args.append(batch.tokens)
+    y = batch.targets
+    if path == "labels":
+        kwargs["labels"] = y
+    elif path == "targets":
+        name = tie.targets_param or "targets"
+        if tie.targets_keyword or tie.ids_keyword or kwargs:
+            kwargs[name] = y
+        else:
+            args.append(y)
+    for name in tie.required_targets:
+        if name not in kwargs and not (path == "targets" and len(args) == 2):
+            kwargs[name] = y
+    return m(*args, **kwargs)
+
+
+def _scalar_loss(out: Any) -> torch.Tensor:
+    if isinstance(out, (tuple, list)):
+        return next((o for o in out if isinstance(o, torch.Tensor) and o.dim() == 0), out[-1])
+    loss = getattr(out, "loss", None)
+    return out if loss is None else loss  # type: ignore[no-any-return]
+
+
+def cross_entropy(logits: torch.Tensor, batch: TorchBatch) -> torch.Tensor:
+    """tyingspec's own loss of a model's logits: the mean cross-entropy over the targets that
+    are not ignored (float32 for a low-precision model, as transformers' loss upcasts)."""
+    z = logits.reshape(-1, logits.shape[-1])
+    if z.dtype in (torch.float16, torch.bfloat16):
+        z = z.float()
+    return F.cross_entropy(z, batch.targets.reshape(-1), ignore_index=batch.ignore_index)
+
+
+Loss = Callable[[nn.Module, TorchBatch], torch.Tensor]
+
+
+def loss_function(target: TorchTarget, tie: Tie, path: str | None = None) -> Loss:
+    """``loss(model, batch) -> scalar``: the loss the model trains with along ``path`` (the
+    target's convention by default).  A model with its own loss (``labels=``, ``targets``) is
+    judged on it: a wrong normalisation is part of what is checked.  A ``TorchTarget(loss=)``
+    callable is handed the user's model, the tokens and the targets."""
     if callable(target.loss):
         custom = target.loss
-        return lambda m, t, y: custom(m, t, y)
-    extra: dict[str, Any] = {"use_cache": False} if tie.no_cache else {}
-
-    if tie.convention == "labels":
+        return lambda m, b: custom(m, b.tokens, b.targets)
+    path = path or tie.convention
+    if path in ("labels", "targets"):
         # transformers: the model shifts the labels itself (causal LM), reads them unshifted
         # (masked LM), or builds decoder inputs by shifting them right (encoder-decoder), and
         # returns the loss it trains with
-        def labels(m: nn.Module, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            out = m(input_ids=t, labels=y, **extra)
-            loss = getattr(out, "loss", None)
-            if loss is None and isinstance(out, (tuple, list)):
-                loss = out[0]
-            return cast(torch.Tensor, loss)
-        return labels
-    if tie.convention == "targets":
-        name, keyword = tie.targets_param or "targets", tie.targets_keyword
+        return lambda m, b: _scalar_loss(forward(m, tie, path, b))
+    return lambda m, b: cross_entropy(_logits_of(forward(m, tie, "logits", b)), b)
 
-        def targets(m: nn.Module, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            out = m(t, **{name: y}, **extra) if keyword else m(t, y, **extra)
-            if isinstance(out, (tuple, list)):
-                return next((o for o in out if isinstance(o, torch.Tensor) and o.dim() == 0),
-                            out[-1])
-            return getattr(out, "loss", out)  # type: ignore[no-any-return]
-        return targets
 
-    def plain(m: nn.Module, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = _logits_of(m(t, **extra))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float()
-                               if logits.dtype in (torch.float16, torch.bfloat16) else
-                               logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    return plain
+def loss_paths(model: nn.Module, target: TorchTarget, tie: Tie) -> tuple[str, ...]:
+    """Every loss path the model has, its convention's first: ``labels=`` where the forward
+    takes ``labels``, its targets argument where it takes one, and its logits where a forward
+    with neither returns ``[B, T, V]`` (transformers' Trainer takes the first, a hand-written
+    loop often the last; a bug on either one is a bug).  A target that names its convention or
+    its loss has that one path."""
+    if callable(target.loss) or target.loss != "auto":
+        return (tie.convention,)
+    found = [tie.convention]
+    params = _forward_parameters(model) or []
+    if tie.convention != "labels" and any(p.name == "labels" for p in params):
+        found.append("labels")
+    if tie.convention != "targets" and tie.targets_param and tie.targets_param != "labels":
+        found.append("targets")
+    if tie.convention != "logits" and not tie.required_targets:
+        ids = (torch.arange(4 * 2) % tie.vocab).reshape(2, 4)
+        try:
+            with torch.no_grad():
+                logits = _logits_of(forward(model, tie, "logits", TorchBatch(ids, ids)))
+            if isinstance(logits, torch.Tensor) and tuple(logits.shape) == (2, 4, tie.vocab):
+                found.append("logits")
+        except Exception:  # noqa: BLE001  (a forward that needs its targets has no such path)
+            pass
+    return tuple(found)
+
+
+def _ignore_index(model: nn.Module, target: TorchTarget, tie: Tie) -> int | None:
+    """The ignored target the model's loss takes: -100 (torch's and transformers' default),
+    else -1 (nanoGPT's); None when neither runs (a loss that indexes with every target)."""
+    n = min(4, tie.seq_len)
+    ids = (torch.arange(2 * n) % tie.vocab).reshape(2, n)
+    run = loss_function(target, tie)
+    for ignore in (-100, -1):
+        y = ids.clone()
+        # every position but the first: a model that feeds its labels back in (an
+        # encoder-decoder shifting them into decoder inputs) must take the ignore index there
+        y[1, 1:] = ignore
+        try:
+            with torch.no_grad():
+                value = run(model, TorchBatch(ids, y, ignore_index=ignore))
+        except Exception:  # noqa: BLE001  (this ignore index is one the loss cannot take)
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and \
+                bool(torch.isfinite(value)):
+            return ignore
+    return None

@@ -28,6 +28,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -43,10 +44,15 @@ _TIED_SAVED = _TIED + ", holding the saved values"
 _ONCE = ("the tied Parameter is in the optimizer's parameter groups exactly once, has at most "
          "one state slot, and one step moves it by exactly one update")
 
-#: float64 unit roundoff; the closed-form updates are a handful of roundings each, so 32 of
-#: them per unit of magnitude bounds the difference between two correct computations.
-_EPS = float(torch.finfo(torch.float64).eps)
-_ROUNDINGS = 32.0
+#: The closed-form first step is computed in float64 from the values the optimizer stepped
+#: from; the optimizer's own step rounds at the parameter's dtype (machine epsilon ``eps``):
+#: at most a rounding of the parameter and one of the decayed parameter (``_ROUNDINGS_P`` eps
+#: of it bounds them twice over), and a handful in the update (``_ROUNDINGS_UPDATE`` eps of
+#: the update's terms: the moments, the square root, the division).  Kept tight on the
+#: parameter so that a second update stays visible at bfloat16, where one AdamW update is a
+#: few percent of an entry.
+_ROUNDINGS_P = 4.0
+_ROUNDINGS_UPDATE = 16.0
 
 
 def _storage(p: torch.Tensor) -> int:
@@ -128,13 +134,34 @@ def _saved_state(model: nn.Module) -> dict[str, Any]:
     return state
 
 
+def at_precision(factory: Callable[[], nn.Module],
+                 dtype: torch.dtype | None) -> Callable[[], nn.Module]:
+    """``factory`` building its models at the run's precision: converted to ``dtype`` (the
+    ``--precision`` asked for) where the model converts, else as built, as the run's own
+    models are (a float64 model the run never trains in can give a NaN gradient that the run's
+    float32 one does not: LED's and Longformer's padded attention)."""
+    if dtype is None:
+        return factory
+
+    def build() -> nn.Module:
+        model = factory()
+        try:
+            return model.to(dtype)
+        except Exception:  # noqa: BLE001  (a model that cannot convert keeps its own dtype)
+            return model
+    return build
+
+
 def identity_findings(factory: Callable[[], nn.Module], embedding: str, head: str, *,
                       retie: Retie | None,
-                      loss_of: Callable[[nn.Module], torch.Tensor]) -> list[Finding]:
+                      loss_of: Callable[[nn.Module], torch.Tensor],
+                      dtype: torch.dtype | None = None) -> list[Finding]:
     """Whether the tie (one Parameter, one storage) survives each transformation a model goes
     through: deepcopy, ``.to(float64)``, a state-dict load (plain and ``assign=True`` + re-tie),
     a safetensors round trip, meta-device init + ``to_empty`` + re-tie, a vocabulary resize
-    and one optimizer step; one :class:`Finding` per transformation, each on fresh models."""
+    and one optimizer step; one :class:`Finding` per transformation, each on fresh models
+    built at the run's precision (``dtype``, see :func:`at_precision`)."""
+    factory = at_precision(factory, dtype)
     checks: list[tuple[str, str, Callable[[], Finding]]] = [
         ("identity after deepcopy", _TIED,
          lambda: _tied_finding("identity after deepcopy", _TIED,
@@ -271,10 +298,13 @@ def _stepped(factory: Callable[[], nn.Module], embedding: str, head: str,
 def optimizer_findings(factory: Callable[[], nn.Module], embedding: str, head: str, *,
                        optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None,
                        loss_of: Callable[[nn.Module], torch.Tensor],
-                       spec: str = "") -> list[Finding]:
+                       spec: str = "", dtype: torch.dtype | None = None) -> list[Finding]:
     """Whether SGD, AdamW and the target's own optimizer (if given) hold the tied Parameter
     exactly once, keep at most one state slot for it, and move it by exactly one update in
-    one step (compared with the closed-form first step where the optimizer is known)."""
+    one step (compared with the closed-form first step where the optimizer is known), on a
+    model built at the run's precision (``dtype``, see :func:`at_precision`).  A tied table
+    computed by a parametrization is held by the optimizer as its Parameters (the
+    parametrization's originals): each of them is checked."""
     builds: list[tuple[str, Callable[[nn.Module], torch.optim.Optimizer]]] = [
         ("optimizer SGD", lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
         ("optimizer AdamW",
@@ -282,6 +312,7 @@ def optimizer_findings(factory: Callable[[], nn.Module], embedding: str, head: s
     ]
     if optimizer is not None:
         builds.append(("optimizer from the target", optimizer))
+    factory = at_precision(factory, dtype)
     findings = []
     for check, build in builds:
         try:
@@ -300,12 +331,14 @@ def optimizer_findings(factory: Callable[[], nn.Module], embedding: str, head: s
 def _one_optimizer(check: str, build: Callable[[nn.Module], torch.optim.Optimizer],
                    factory: Callable[[], nn.Module], embedding: str, head: str,
                    loss_of: Callable[[nn.Module], torch.Tensor]) -> Finding:
-    model = factory().to(torch.float64)
+    from tyingspec._src.kinds.torch.tables import table_parameters
+
+    model = factory()
     untied = _untied(model, embedding, head)
     if untied is not None:
-        return not_applicable(check, _ONCE, f"the tie is already lost after "
-                                            f".to(torch.float64): {untied}")
-    p = model.get_parameter(embedding)
+        return not_applicable(check, _ONCE, f"the tie is already lost as built: {untied}")
+    names = table_parameters(model, embedding)
+    params = [model.get_parameter(n) for n in names]
     problems: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -318,45 +351,76 @@ def _one_optimizer(check: str, build: Callable[[nn.Module], torch.optim.Optimize
             raise
     problems += [f"torch warned: {w.message}" for w in caught
                  if _about_duplicates(str(w.message))]
+    held: list[int] = []
+    for name, p in zip(names, params):
+        listed = _listed(opt, p)
+        if listed is None:
+            return failed(check, _ONCE, "unknown", f"{name} is in none of the optimizer's "
+                                                   f"parameter groups: a step never trains it")
+        held.append(listed[0])
+        problems += [f"{_who(name, names)}{problem}" for problem in listed[1]]
 
+    torch.autograd.backward(loss_of(model))
+    if any(p.grad is None for p in params):
+        missing = next(n for n, p in zip(names, params) if p.grad is None)
+        return not_applicable(check, _ONCE, f"loss_of gives {missing} no gradient")
+    # Where the step starts: the forward may have written the table in place
+    # (nn.Embedding(max_norm=...) renormalises the rows it reads), and the optimizer steps
+    # from those values.
+    starts = [p.detach().clone() for p in params]
+    grads = [cast(torch.Tensor, p.grad).detach().clone() for p in params]
+    opt.step()
+
+    notes: list[str] = []
+    moves: list[float] = []
+    judged = False
+    for name, p, p0, grad, group in zip(names, params, starts, grads, held):
+        slots = sum(1 for k in opt.state if k is p)
+        shared = sum(1 for k in opt.state
+                     if k is not p and isinstance(k, torch.Tensor) and _storage(k) == _storage(p))
+        if slots > 1 or shared:
+            problems.append(f"{_who(name, names)}after one step it has {slots + shared} "
+                            "optimizer state slots")
+        expected = _first_step(opt, opt.param_groups[group], p0, grad)
+        if expected is None:
+            notes.append(f"{_who(name, names)}update size not checked ({type(opt).__name__} "
+                         "has no closed form here)")
+            judged = True
+            continue
+        compared = _compare(p.detach(), p0, grad, *expected)
+        notes.append(_who(name, names) + compared.detail)
+        judged = judged or compared.judged
+        if compared.moved is not None:
+            moves.append(compared.moved)
+    detail = "; ".join([*problems, *notes])
+    if not moves and not problems:
+        return passed(check, _ONCE, detail) if judged else not_applicable(check, _ONCE, detail)
+    # A wrong update that is no multiple of one is some other bug than a second update.
+    label: Label = ("unknown" if not problems and moves and max(moves) < 1.5
+                    else "optimizer_sees_tie_twice")
+    return failed(check, _ONCE, label, detail)
+
+
+def _listed(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple[int, list[str]] | None:
+    """The group ``p`` is stepped in and what is wrong with how the optimizer holds it; None
+    when no group holds it."""
     groups = [i for i, g in enumerate(opt.param_groups) for q in g["params"] if q is p]
-    aliases = sum(1 for g in opt.param_groups for q in g["params"]
-                  if q is not p and _storage(q) == _storage(p))
     if not groups:
-        return failed(check, _ONCE, "unknown", f"{embedding} is in none of the optimizer's "
-                                               f"parameter groups: a step never trains it")
+        return None
+    problems = []
     if len(groups) > 1:
         where = ", ".join(f"{groups.count(i)} in group {i}" for i in sorted(set(groups)))
         problems.append(f"the tied Parameter is listed {len(groups)} times ({where})")
+    aliases = sum(1 for g in opt.param_groups for q in g["params"]
+                  if q is not p and _storage(q) == _storage(p))
     if aliases:
         problems.append(f"{aliases} other parameter(s) share its storage")
+    return groups[0], problems
 
-    p0 = p.detach().clone()
-    torch.autograd.backward(loss_of(model))
-    if p.grad is None:
-        return not_applicable(check, _ONCE, f"loss_of gives {embedding} no gradient")
-    grad = p.grad.detach().clone()
-    opt.step()
 
-    slots = sum(1 for k in opt.state if k is p)
-    shared = sum(1 for k in opt.state
-                 if k is not p and isinstance(k, torch.Tensor) and _storage(k) == _storage(p))
-    if slots > 1 or shared:
-        problems.append(f"after one step it has {slots + shared} optimizer state slots")
-
-    group = opt.param_groups[groups[0]]
-    expected = _first_step(opt, group, p0, grad)
-    moved: float | None = None
-    if expected is None:
-        note = f"update size not checked ({type(opt).__name__} has no closed form here)"
-    else:
-        note, moved = _compare(p.detach(), p0, *expected)
-    if moved is None and not problems:
-        return passed(check, _ONCE, note)
-    # A wrong update that is no multiple of one is some other bug than a second update.
-    label: Label = ("unknown" if not problems and moved is not None and moved < 1.5
-                    else "optimizer_sees_tie_twice")
-    return failed(check, _ONCE, label, "; ".join([*problems, note]))
+def _who(name: str, names: list[str]) -> str:
+    """A detail's prefix naming which of a parametrized table's Parameters it is about."""
+    return f"{name}: " if len(names) > 1 else ""
 
 
 def _about_duplicates(message: str) -> bool:
@@ -367,9 +431,12 @@ def _about_duplicates(message: str) -> bool:
 
 
 def _first_step(opt: torch.optim.Optimizer, group: dict[str, Any], p0: torch.Tensor,
-                grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The closed-form first step from ``p0`` with gradient ``grad``, and the magnitude
-    scale its roundoff grows with; None for an optimizer not known here."""
+                grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | None:
+    """The closed-form first step from ``p0`` with gradient ``grad``, computed in float64,
+    the magnitude of the update's terms (its roundoff grows with them) and the dtype the
+    optimizer computed in; None for an optimizer not known here."""
+    dtype = p0.dtype
+    p0, grad = p0.double(), grad.double()
     lr = float(group["lr"])
     wd = float(group.get("weight_decay", 0.0))
     g = -grad if group.get("maximize", False) else grad
@@ -380,8 +447,8 @@ def _first_step(opt: torch.optim.Optimizer, group: dict[str, Any], p0: torch.Ten
         # Nesterov then adds momentum times it once more.
         if momentum and group.get("nesterov", False):
             d = d * (1.0 + momentum)
-        scale = p0.abs() + lr * (grad.abs() + wd * p0.abs()) * (1.0 + momentum)
-        return p0 - lr * d, scale
+        terms = lr * (grad.abs() + wd * p0.abs()) * (1.0 + momentum)
+        return p0 - lr * d, terms, dtype
     if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
         decoupled = (type(opt) is torch.optim.AdamW
                      or bool(group.get("decoupled_weight_decay", False)))
@@ -392,21 +459,71 @@ def _first_step(opt: torch.optim.Optimizer, group: dict[str, Any], p0: torch.Ten
         # Bias corrections cancel at step 1: m/(1-b1) = g and sqrt(v/(1-b2)) = |g|
         # (amsgrad's running max is v itself at step 1).
         update = lr * g / (g.abs() + eps)
-        return base - update, p0.abs() + update.abs()
+        return base - update, update.abs() + lr * wd * p0.abs(), dtype
     return None
 
 
-def _compare(new: torch.Tensor, p0: torch.Tensor, expected: torch.Tensor,
-             scale: torch.Tensor) -> tuple[str, float | None]:
-    """(detail, updates moved) — updates moved is None when ``new`` is the one update."""
-    tol = _ROUNDINGS * _EPS * scale + torch.finfo(torch.float64).tiny
-    if bool(((new - expected).abs() <= tol).all()):
-        return "moved by exactly one update", None
-    update = expected - p0
+@dataclass(frozen=True)
+class _Compared:
+    detail: str
+    moved: float | None  # updates moved, None when it is the one update
+    judged: bool  # some entry could tell one update from two
+
+
+def _compare(new: torch.Tensor, p0: torch.Tensor, grad: torch.Tensor, expected: torch.Tensor,
+             terms: torch.Tensor, dtype: torch.dtype) -> _Compared:
+    """The step the optimizer took against the closed form, entry by entry, with bounds from
+    the dtype it stepped in.  Entries where the model's own gradient is not finite are left
+    out and said so (a NaN the model's backward produces is no tie bug, and the closed form
+    of a NaN is NaN), as are entries the optimizer's step left non-finite where the closed
+    form is finite (an ``eps`` below the dtype's range: float16 AdamW divides 0 by 0)."""
+    new, p0 = new.double(), p0.double()
+    eps = float(torch.finfo(dtype).eps)
+    notes: list[str] = []
+    bad_grad = ~torch.isfinite(grad)
+    if bool(bad_grad.any()):
+        notes.append(f"the model's own gradient is not finite at {_dtype(dtype)} in "
+                     f"{_non_finite(grad)}: its backward produces them on this batch, which "
+                     "is no tie bug (a step on them corrupts the weights); those entries are "
+                     "left out of the comparison")
+    finite = torch.isfinite(expected) & ~bad_grad
+    bad_step = finite & ~torch.isfinite(new)
+    if bool(bad_step.any()):
+        notes.append(f"the step left {int(bad_step.sum())} of {new.numel()} entries "
+                     f"non-finite where the closed-form update is finite: left out (the "
+                     f"optimizer at {_dtype(dtype)}, not the tie)")
+    keep = finite & ~bad_step
+    if not bool(keep.any()):
+        return _Compared("; ".join([*notes, "no entry left to compare the update on"]), None,
+                         False)
+    update = (expected - p0)[keep]
+    tol = (_ROUNDINGS_P * eps * p0.abs() + _ROUNDINGS_UPDATE * eps * terms)[keep] + \
+        torch.finfo(dtype).tiny
+    diff = (new - expected)[keep]
+    if bool((diff.abs() <= tol).all()):
+        if not bool((update.abs() > tol).any()):
+            # one update is within the dtype's rounding everywhere: two would pass as well
+            return _Compared("; ".join([*notes, f"one update is within {_dtype(dtype)}'s "
+                                        "rounding of every entry, so a second update could "
+                                        "not be told from one"]), None, False)
+        return _Compared("; ".join(["moved by exactly one update", *notes]), None, True)
     norm2 = float((update * update).sum())
     if norm2 == 0.0 or not math.isfinite(norm2):
-        worst = float((new - expected).abs().max())
-        return f"moved although the closed-form update is zero (max |diff| {worst:.3g})", 0.0
+        worst = float(diff.abs().max())
+        return _Compared("; ".join([f"moved although the closed-form update is zero (max "
+                                    f"|diff| {worst:.3g})", *notes]), 0.0, True)
     # Project the actual move onto the expected update: 2.00 means it was stepped twice.
-    moved = float(((new - p0) * update).sum()) / norm2
-    return f"moved by {moved:.2f} updates in one step", moved
+    moved = float(((new - p0)[keep] * update).sum()) / norm2
+    return _Compared("; ".join([f"moved by {moved:.2f} updates in one step", *notes]), moved,
+                     True)
+
+
+def _non_finite(t: torch.Tensor) -> str:
+    nan = int(torch.isnan(t).sum())
+    inf = int(torch.isinf(t).sum())
+    kinds = ", ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "infinite")) if n)
+    return f"{nan + inf} of {t.numel()} entries ({kinds})"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

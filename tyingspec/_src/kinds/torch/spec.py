@@ -20,6 +20,12 @@ from tyingspec._src.core.kind import (
     zoo,
 )
 from tyingspec._src.core.paths import Paths
+from tyingspec._src.kinds.torch.setting import (
+    AUTOCAST_DTYPES,
+    COMPILE_BACKENDS,
+    shape_cases,
+    torch_cases,
+)
 
 
 def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
@@ -49,4 +55,6 @@ SPEC = KindSpec(
     properties=("torch_tie_identity", "torch_optimizer_sees_tie_once",
                 "torch_gradient_by_path", "torch_gradient_against_forward",
                 "torch_fresh_gradient", "torch_micro_batches_accumulate"),
-    builtins=_builtins, own_shape=True, takes_precision=True)
+    builtins=_builtins, own_shape=True, takes_precision=True, cases=torch_cases,
+    shape_cases=shape_cases,
+    flags=(("autocast", AUTOCAST_DTYPES), ("compile", COMPILE_BACKENDS)))

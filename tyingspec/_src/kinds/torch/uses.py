@@ -21,6 +21,13 @@ tensor derived from it by a transpose or a dtype cast, and calls it unchanged:
   forward runs under no_grad, so it is judged by what it returns: ``E[ids]`` for ids its
   forward looked up is a lookup, ``h @ E.T`` is a head, and the gradient reaching that output
   is recorded whatever the Function's own backward does with it;
+* ``nn.Embedding(max_norm=...)``: torch rescales the rows read above ``max_norm`` in place,
+  under no_grad, then reads them; the gradient is a plain lookup's of the rescaled table, so
+  it is observed as a lookup (the reference takes ``dx``, not E's values);
+* a table computed from ``E`` (``torch.nn.utils.parametrize``, whose parametrizations run as
+  modules and are seen by global module hooks, or the older ``torch.nn.utils.weight_norm``'s
+  ``torch._weight_norm``): what it returns is the table the uses read, tracked as ``E`` is,
+  and its own reads of ``E`` are no uses;
 * anything else that takes ``E`` and returns a tensor, or a use whose output takes no gradient
   (under ``no_grad``, a detached weight), is a use the reference cannot vouch for: it is
   named, and the check falls back to the model's own backward of each use, checked against
@@ -51,6 +58,11 @@ _LOOKUPS = {F.embedding, torch.embedding, torch.Tensor.__getitem__, torch.index_
 _LINEAR = {F.linear, torch._C._nn.linear}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
            torch.Tensor.mm}
+#: Entry points of a backward pass (a training step observed whole runs its backward inside
+#: the observed block).
+_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+#: E.grad read or set (an optimizer's zero_grad, a training step's bookkeeping): not its values.
+_GRAD = torch._C.TensorBase.__dict__["grad"]
 #: A transpose of a 2-D tensor (the head's E.T).
 _TRANSPOSES = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__,  # type: ignore[attr-defined]
                torch.Tensor.mT.__get__,  # type: ignore[attr-defined]
@@ -59,6 +71,14 @@ _TRANSPOSES = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__,  # type: ignore[
 _TEMPLATES = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
               torch.rand_like, torch.randn_like, torch.Tensor.new_zeros, torch.Tensor.new_ones,
               torch.Tensor.new_empty, torch.Tensor.new_full, torch.Tensor.new_tensor}
+#: In-place writes of E's values under no_grad: no use (``nn.Embedding(max_norm=...)``'s
+#: renormalisation, when a model calls it itself before its lookup).
+_WRITES = {torch.embedding_renorm_}
+#: Functions that compute the table the uses read from E (the older
+#: ``torch.nn.utils.weight_norm`` computes ``W = g * v / |v|`` in a pre-hook): their output is
+#: tracked as the table; inside a ``torch.nn.utils.parametrize`` parametrization the same is
+#: done by module hooks (see :meth:`_Mode.before_module`).
+_DERIVATIONS = {torch._weight_norm}
 #: Casts and copies the gradient passes through unchanged (up to rounding).
 _CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
           torch.Tensor.double, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor.contiguous,
@@ -107,7 +127,10 @@ class _Mode(TorchFunctionMode):
         super().__init__()
         self.E = E
         self.inside_function = 0  # depth of custom autograd.Function forwards running
+        self.paused = 0  # inside a backward or an optimizer step: nothing there is a use
         self.pending: list[torch.Tensor] = []  # ids a Function's forward looked up
+        # parametrizations of E running (their reads of E make the table, they use nothing)
+        self.deriving: list[torch.nn.Module] = []
         # id -> (tensor, orientation): "E" for E or a cast of it, "T" for a transpose.  The
         # tensor is held so that its id is not reused while the pass runs.
         self.tracked: dict[int, tuple[torch.Tensor, str]] = {id(E): (E, "E")}
@@ -120,10 +143,20 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.paused or func in _BACKWARD or getattr(func, "__self__", None) is _GRAD:
+            # a backward (a training step's, inside the observed block) or an optimizer's
+            # update reads E too, and neither is a use of the forward
+            self.paused += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.paused -= 1
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.is_floating_point() and \
                 out.dtype.itemsize < self.uses.least_precise.itemsize:
             self.uses.least_precise = out.dtype
+        if self.deriving:
+            return out  # computing the table the uses read from E (a parametrization)
         flat = list(args) + list(kwargs.values())
         where = [(i, o) for i, a in enumerate(flat) if (o := self._orientation(a)) is not None]
         if not where and any(isinstance(a, (list, tuple)) and
@@ -141,8 +174,11 @@ class _Mode(TorchFunctionMode):
                   where: list[tuple[int, str]], out: torch.Tensor) -> None:
         slot, orientation = where[0]
         if func in _TEMPLATES or (func in (torch.Tensor.type_as, torch.Tensor.to)
-                                  and slot != 0):
-            return  # E gave its dtype, device or shape, not its values
+                                  and slot != 0) or func in _WRITES:
+            return  # E gave its dtype, device or shape, not its values (or was rescaled)
+        if func in _DERIVATIONS and orientation == "E" and slot in (0, 1):
+            self._track(out, "E")  # the table itself, computed from E
+            return
         if func in _CASTS:
             if slot == 0:
                 self._track(out, orientation)
@@ -170,10 +206,12 @@ class _Mode(TorchFunctionMode):
             names: tuple[str, ...] = ("padding_idx", "max_norm", "norm_type",
                                       "scale_grad_by_freq", "sparse")
             given = dict(zip(names, args[2:])) | kwargs
-            if given.get("max_norm") is not None:
-                return None, {}  # renormalises E in place: no longer a plain read
+            # max_norm: torch first rescales the rows read above it, in place and under
+            # no_grad, then reads; the gradient is a plain lookup's of the rescaled table, and
+            # dx at the output is all the reference takes from it (nothing of E's values)
             return args[0], {"padding_idx": given.get("padding_idx"),
-                             "scale_grad_by_freq": bool(given.get("scale_grad_by_freq"))}
+                             "scale_grad_by_freq": bool(given.get("scale_grad_by_freq")),
+                             "max_norm": given.get("max_norm")}
         if func is torch.embedding and slot == 0:
             names = ("padding_idx", "scale_grad_by_freq", "sparse")
             given = dict(zip(names, args[2:])) | kwargs
@@ -210,6 +248,24 @@ class _Mode(TorchFunctionMode):
         out.register_hook(  # type: ignore[no-untyped-call]
             lambda g, r=record: _store(r, "dx", g))
 
+    def before_module(self, module: torch.nn.Module, args: Any) -> None:
+        """A global forward pre-hook: a ``torch.nn.utils.parametrize`` parametrization of E
+        (a ``ParametrizationList`` holding E among its originals) is about to compute the
+        table the uses read."""
+        from torch.nn.utils.parametrize import ParametrizationList
+
+        if isinstance(module, ParametrizationList) and any(
+                self._orientation(p) is not None for p in module.parameters(recurse=False)):
+            self.deriving.append(module)
+
+    def after_module(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        """A global forward hook: the table a parametrization of E made is what its uses
+        read, so it is tracked as E is (one table per read when nothing caches it)."""
+        if self.deriving and self.deriving[-1] is module:
+            self.deriving.pop()
+            if isinstance(out, torch.Tensor):
+                self._track(out, "E")
+
     def _head(self, h: Any, out: torch.Tensor) -> None:
         if self.inside_function:
             return  # what the custom Function returns decides (see _function_apply)
@@ -230,7 +286,7 @@ def _function_apply(mode: _Mode, original: Any) -> Any:
     gradient reaching that output is ``dx`` (or ``g``), whatever its own backward then does
     with it.  Anything else stays a use no reference can vouch for."""
     def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        if not any(mode._orientation(a) is not None for a in args):
+        if mode.paused or not any(mode._orientation(a) is not None for a in args):
             return original(cls, *args, **kwargs)
         before, pending = len(mode.uses.unobserved), len(mode.pending)
         mode.inside_function += 1
@@ -241,7 +297,8 @@ def _function_apply(mode: _Mode, original: Any) -> Any:
         looked_up = mode.pending[pending:]
         del mode.pending[pending:]
         if isinstance(out, torch.Tensor) and out.requires_grad and not mode.inside_function:
-            W = mode.E.detach()
+            # the table it was handed: E, or a parametrization's W computed from it
+            W = next((a for a in args if mode._orientation(a) == "E"), mode.E).detach()
             if len(looked_up) == 1 and out.shape[:-1].numel() == looked_up[0].numel() and \
                     out.shape[-1] == W.shape[1] and torch.equal(
                         out.detach().reshape(-1, W.shape[1]), W[looked_up[0]].to(out.dtype)):
@@ -251,10 +308,15 @@ def _function_apply(mode: _Mode, original: Any) -> Any:
             heads = [a for a in args if isinstance(a, torch.Tensor) and
                      mode._orientation(a) is None and a.shape[-1:] == W.shape[1:]]
             if not looked_up and len(heads) == 1 and out.shape[-1] == W.shape[0]:
-                expect = torch.nn.functional.linear(heads[0].detach().to(W.dtype), W)
+                # in float64, outside any autocast (which would compute it in bfloat16), and
+                # compared at the precision the Function computed in
+                with torch.autocast("cpu", enabled=False):
+                    expect = torch.nn.functional.linear(heads[0].detach().double(),
+                                                        W.double())
                 scale = float(expect.abs().max()) or 1.0
-                if torch.allclose(out.detach().to(W.dtype).reshape(expect.shape), expect,
-                                  rtol=1e-5, atol=1e-5 * scale):
+                rtol = max(1e-5, 8 * float(torch.finfo(out.dtype).eps))
+                if torch.allclose(out.detach().double().reshape(expect.shape), expect,
+                                  rtol=rtol, atol=rtol * scale):
                     del mode.uses.unobserved[before:]
                     mode._head(heads[0], out)
                     return out
@@ -303,8 +365,23 @@ class observed_uses:  # noqa: N801  (used as a context manager, like torch's mod
         self._original = Function.__dict__["apply"]
         Function.apply = classmethod(  # type: ignore[assignment,method-assign]
             _function_apply(self._mode, _bound_apply(self._original)))
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        # parametrizations run as modules (ParametrizationList): seen by global module hooks
+        self._hooks = [register_module_forward_pre_hook(self._mode.before_module),
+                       register_module_forward_hook(self._mode.after_module)]
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self.uses
+
+    def pause(self) -> None:
+        """Stop recording uses until :meth:`resume` (an optimizer's step inside the block)."""
+        self._mode.paused += 1
+
+    def resume(self) -> None:
+        self._mode.paused -= 1
 
     def __exit__(self, *exc: Any) -> None:
         from torch.autograd.function import Function
@@ -313,3 +390,5 @@ class observed_uses:  # noqa: N801  (used as a context manager, like torch's mod
             self._mode.__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
             Function.apply = self._original  # type: ignore[method-assign]
+            for hook in self._hooks:
+                hook.remove()
