@@ -500,3 +500,43 @@ def test_a_position_table_shorter_than_the_declared_context_is_fitted(tmp_path: 
     assert_correct(rep)
     assert max(T for _, T in shapes(rep)) <= 24, summary(rep)
     assert any("TorchTarget(seq_len=" in n and "--shape" in n for n in rep.notes), rep.notes
+
+
+CHUNKED_ASSIGN = '''
+    class Chunked(torch.autograd.Function):
+        """The lookup's backward in chunks of 64 tokens, each written with `=` where it must
+        add: only the last chunk's rows survive (one chunk: right)."""
+
+        @staticmethod
+        def forward(ctx, weight, ids):
+            ctx.save_for_backward(ids)
+            ctx.shape = weight.shape
+            return weight[ids]
+
+        @staticmethod
+        def backward(ctx, dy):
+            (ids,) = ctx.saved_tensors
+            flat, rows = ids.reshape(-1), dy.reshape(-1, dy.shape[-1])
+            grad = dy.new_zeros(ctx.shape)
+            for start in range(0, flat.numel(), 64):
+                part = dy.new_zeros(ctx.shape)
+                part.index_add_(0, flat[start:start + 64], rows[start:start + 64])
+                grad = part  # the bug: `=` for `+=`
+            return grad, None
+
+
+    class Model(TinyGPT):
+        def embed(self, idx):
+            return Chunked.apply(self.wte.weight, idx)
+
+
+    def make_model():
+        return Model(block_size=32)
+'''
+
+
+def test_a_chunked_lookup_backward_that_assigns_each_chunk(tmp_path: Path) -> None:
+    # issue 50 section 7: at the old 2 x 32 tokens the batch was one chunk, and it passed
+    rep = check(tmp_path, "cfg_chunked_assign", CHUNKED_ASSIGN, only="absent-tokens")
+    assert_wrong(rep, "input_path_wrong", "input_path_missing")
+    assert max(B * T for B, T in shapes(rep)) > 64, summary(rep)
