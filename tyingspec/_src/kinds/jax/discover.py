@@ -42,11 +42,14 @@ class Form:
     # params -> params after a trip into a fresh model and out (NNX: nnx.update + split);
     # the identity of a pure tree is its own
     reload: Callable[[Any], Any]
+    # the module whose attributes declare its configuration (NNX or Linen); None: a function
+    model: Any = None
 
 
 @dataclass(frozen=True)
 class Tie:
-    """Where the tied table is read, and the batch a check runs."""
+    """Where the tied table is read, and the batch it was traced with (described: the largest
+    batch a check runs, see :mod:`kinds.jax.shape`)."""
 
     embedding: str  # path of the leaf the lookups read
     head: str  # path of the leaf the heads read (the same for a real tie)
@@ -143,7 +146,7 @@ def build_form(spec: str, target: JaxTarget, precision: str = "auto") -> Form:
 
         if want is not None:
             params = cast(params, want)
-        return Form("nnx", params, nnx_loss, target, reload)
+        return Form("nnx", params, nnx_loss, target, reload, model)
     params = target.params() if callable(target.params) else target.params
     if params is None:
         raise AdapterError(spec, "the target has no parameters", key="params",
@@ -159,7 +162,7 @@ def build_form(spec: str, target: JaxTarget, precision: str = "auto") -> Form:
             out = module.apply(p, t, y) if takes else module.apply(p, t)
             return _scalar(out, y, takes)
 
-        return Form("linen", params, linen_loss, target, lambda p: p)
+        return Form("linen", params, linen_loss, target, lambda p: p, module)
     assert target.loss_fn is not None
     return Form("function", params, target.loss_fn, target, lambda p: p)
 
@@ -172,11 +175,20 @@ def leaf(tree: Any, path: str) -> Any:
     raise KeyError(path)
 
 
-def batch(target: JaxTarget, V: int) -> tuple[Any, Any]:
-    """A placeholder batch of the target's shape: what the loss is traced with."""
-    t = jnp.asarray(np.arange(target.batch_size * target.seq_len).reshape(
-        target.batch_size, target.seq_len) % V)
+#: The batch a target is first traced with (B, T), where it fixes neither.
+PLACEHOLDER = (2, 8)
+
+
+def placeholder(B: int, T: int, V: int) -> tuple[Any, Any]:
+    """A placeholder batch of ``B`` x ``T`` tokens (what a loss is traced or costed with)."""
+    t = jnp.asarray(np.arange(B * T).reshape(B, T) % V)
     return t, jnp.roll(t, -1, axis=-1)
+
+
+def batch(target: JaxTarget, V: int) -> tuple[Any, Any]:
+    """A placeholder batch of the target's shape: what the loss is first traced with."""
+    return placeholder(target.batch_size or PLACEHOLDER[0], target.seq_len or PLACEHOLDER[1],
+                       V)
 
 
 def _vocab_guess(params: Any) -> int:
@@ -237,8 +249,9 @@ def discover(spec: str, form: Form, tokens: Any = None, targets: Any = None
     V, d = int(np.shape(tr.leaves[a])[0]), int(np.shape(tr.leaves[a])[1])
     E_a, E_b = tr.leaves[a], tr.leaves[b]
     how = "one leaf" if a == b else ("two paths, one array" if E_a is E_b else "copy")
-    tie = Tie(tr.paths[a], tr.paths[b], V, d, target.batch_size, target.seq_len, form.kind,
-              how, dtype=str(jnp.asarray(E_a).dtype))
+    B, T = (int(n) for n in np.shape(tokens))
+    tie = Tie(tr.paths[a], tr.paths[b], V, d, B, T, form.kind, how,
+              dtype=str(jnp.asarray(E_a).dtype))
     where = f"{tr.paths[a]} ({form.kind}, [{V}, {d}])"
     if how == "copy":
         found = failed("tie discovered", ONE_LEAF, "tie_is_a_copy",

@@ -7,6 +7,12 @@ breaks it, and why each check exists:
 * a tree holding the table under two paths (``{"embed": E, "head": E}``): ``jax.grad`` gives
   each path its own leaf, and optax (``optax.multi_transform`` labelling both) keeps a state
   slot for each and applies one update per path, so one step leaves two different matrices;
+* an optimizer that holds the one leaf but does not step it once: ``optax.masked`` with a
+  mask that leaves the table out (its gradient passes through as its update, and
+  ``apply_updates`` adds it: an ascent step), a zero transform for its label (never
+  stepped), parameter groups summed with the table in two of them (stepped twice).  Counting
+  state slots sees none of these, so the update the table receives is replayed with the
+  optimizer's own math (:func:`_judge_replayed`);
 * a training step compiled with ``jax.jit`` that closes over the table (a module captured by
   the step instead of passed to it): the compiled step keeps the value it was traced with as
   a constant, so after the first update one use reads a stale table;
@@ -87,24 +93,77 @@ def optimizer_findings(spec: str, form: Form, tie: Tie, t: Any, y: Any,
     return out
 
 
+#: Other leaves the target's optimizer is replayed on, each holding the table's values and
+#: gradient (the largest first): the update its own math makes there is one step's.
+SIBLINGS = 3
+
+
+def _put(tree: Any, names: set[str], fn: Any) -> Any:
+    """``tree`` with ``fn`` applied to the leaves at ``names``."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: fn(x) if split.path_text(path) in names else x, tree)
+
+
+def _fill(src: Any, like: Any) -> Any:
+    """An array of ``like``'s shape and dtype holding ``src``'s entries in order (repeated
+    when ``like`` is the larger)."""
+    flat = jnp.ravel(src)
+    reps = -(-int(np.size(like)) // int(flat.size))
+    return jnp.tile(flat, reps)[:int(np.size(like))].reshape(np.shape(like)).astype(
+        jnp.asarray(like).dtype)
+
+
+def _siblings(params: Any, names: set[str]) -> list[str]:
+    """The floating leaves other than the table's, the largest first."""
+    leaves = [(int(np.size(x)), split.path_text(p))
+              for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+              if split.path_text(p) not in names and np.size(x) > 0
+              and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    return [name for _, name in sorted(leaves, key=lambda s: -s[0])[:SIBLINGS]]
+
+
 def _one_optimizer(check: str, build: Any, form: Form, tie: Tie, t: Any, y: Any) -> Finding:
+    """One step of the optimizer ``build`` makes from the parameters, and the table's part of
+    it judged: the closed form for tyingspec's own AdamW; for the target's optimizer, a replay
+    of its own math (see :func:`_judge_replayed`)."""
     import optax
 
     params = form.params
     tx = build(params)
+    names = {tie.embedding, tie.head}
+    own = check != "optimizer optax.adamw"
+    siblings = _siblings(params, names) if own else []
+
+    def zero(x: Any) -> Any:
+        return jnp.zeros_like(x)
 
     @jax.jit
-    def one_step(p: Any) -> tuple[Any, Any, Any]:
+    def one_step(p: Any) -> tuple[Any, ...]:
         # compiled: run op by op, an optax step costs seconds of per-operation compiles
         state = tx.init(p)
         grads = jax.grad(form.loss)(p, t, y)
         updates, _ = tx.update(grads, state, p)
-        return state, grads, optax.apply_updates(p, updates)
+        # the same update with the table's gradient zeroed: what the gradient adds to it is
+        # the step the table is given (a decoupled weight decay is in both)
+        without, _ = tx.update(_put(grads, names, zero), state, p)
+        E, g = leaf(p, tie.embedding), leaf(grads, tie.embedding)
+        probes = []
+        for s in siblings:
+            ps = _put(p, {s}, lambda x: _fill(E, x))
+            gs = _put(grads, {s}, lambda x: _fill(g, x))
+            state_s = tx.init(ps)
+            a, _ = tx.update(gs, state_s, ps)
+            b, _ = tx.update(_put(gs, names | {s}, zero), state_s, ps)
+            probes.append((leaf(a, tie.embedding) - leaf(b, tie.embedding),
+                           leaf(a, s) - leaf(b, s)))
+        return (state, grads, optax.apply_updates(p, updates), leaf(updates, tie.embedding),
+                leaf(without, tie.embedding), probes)
 
-    state, grads, new = one_step(params)
+    state, grads, new, update, without, probes = one_step(params)
     shape = (tie.vocab, tie.width)
     slots = _slots(state, shape)
     tables = _slots(params, shape)
+    held = f"{slots} state slots of the table's shape for {tables} such leaf(s)"
     if tie.how == "two paths, one array":
         apart = float(np.abs(_f64(leaf(new, tie.embedding)) - _f64(leaf(new, tie.head))).max())
         return failed(check, _ONCE, "optimizer_sees_tie_twice",
@@ -113,22 +172,80 @@ def _one_optimizer(check: str, build: Any, form: Form, tie: Tie, t: Any, y: Any)
                       f"keeps {slots} state slots of its shape and applies one update per path "
                       f"(after one step the two paths differ by max |diff| {apart:.3g}); tie "
                       "in one leaf read by both uses")
-    if check != "optimizer optax.adamw":
-        return passed(check, _ONCE, f"{slots} state slots of the table's shape for {tables} "
-                      "such leaf(s); update size not checked (no closed form for the "
-                      "target's optimizer)")
     E0, g = _f64(leaf(params, tie.embedding)), _f64(leaf(grads, tie.embedding))
+    if own:
+        return _judge_replayed(check, g, _f64(update), _f64(without),
+                               [(_f64(a), _f64(b)) for a, b in probes], siblings, _unit(tie),
+                               held)
     lr, wd, eps = 1e-3, 0.01, 1e-8
     # step 1 of AdamW: the bias corrections cancel, m / (sqrt(v) + eps) = g / (|g| + eps)
     expected = E0 - lr * (g / (np.abs(g) + eps) + wd * E0)
     got = _f64(leaf(new, tie.embedding))
     if _close(got, expected, _unit(tie), 32):
-        return passed(check, _ONCE, f"moved by exactly one update; {slots} state slots of "
-                      f"the table's shape for {tables} such leaf(s)")
-    update = expected - E0
-    moved = float(((got - E0) * update).sum() / max(float((update * update).sum()), 1e-300))
-    return failed(check, _ONCE, "optimizer_sees_tie_twice" if moved > 1.5 else "unknown",
-                  f"one step moved the table by {moved:.2f} updates")
+        return passed(check, _ONCE, f"moved by exactly one update; {held}")
+    step = expected - E0
+    moved = float(((got - E0) * step).sum() / max(float((step * step).sum()), 1e-300))
+    twice = abs(moved - 2) < 0.25
+    return failed(check, _ONCE, "optimizer_sees_tie_twice" if twice else "unknown",
+                  f"one step moved the table by {moved:.2f} updates" + (
+                      " (not stepped)" if abs(moved) < 0.25 else
+                      " (the wrong sign: up its gradient)" if moved < 0 else ""))
+
+
+def _judge_replayed(check: str, g: np.ndarray, update: np.ndarray, without: np.ndarray,
+                    probes: list[tuple[np.ndarray, np.ndarray]], siblings: list[str],
+                    unit: float, held: str) -> Finding:
+    """The table's update from the target's optimizer, judged by the optimizer's own math:
+
+    * its gradient's part (``update - without``: the same update with the table's gradient
+      zeroed) must be there (a table masked out of the optimizer, or given a zero transform,
+      is never stepped) and must go down the gradient (a leaf left out of ``optax.masked``
+      keeps its gradient as its update, and ``apply_updates`` adds it: an ascent step);
+    * replayed with another leaf holding the table's values and gradient (``probes``: the
+      table's and that leaf's gradient parts), an element-wise optimizer's update is the
+      same at both: twice that leaf's is a table stepped twice; an update like none of the
+      others' (another learning rate, a layer-wise rule) is said, not judged."""
+    if not np.abs(g).max(initial=0.0) > 0:
+        return not_applicable(check, _ONCE, "the table's gradient is zero on this batch: no "
+                              "update to judge")
+    step = update - without
+    scale = max(float(np.abs(update).max(initial=0.0)), float(np.abs(without).max(initial=0.0)))
+    if float(np.abs(step).max(initial=0.0)) <= 16 * unit * scale + 1e-300:
+        return failed(check, _ONCE, "unknown",
+                      f"the table is not stepped: its update (max |u| {scale:.3g}) does not "
+                      f"depend on its gradient (max |g| {float(np.abs(g).max()):.3g}), as for "
+                      f"a leaf masked out of the optimizer or given a zero transform; {held}")
+    if float((step * g).sum()) > 0:
+        passthrough = _close(update, g, unit, 4)
+        return failed(check, _ONCE, "unknown",
+                      "the table is stepped with the wrong sign: its update goes up its "
+                      "gradient (an ascent step)" + (
+                          ": the update is the gradient itself, which optax.masked leaves as "
+                          "the update of a leaf its mask leaves out (apply_updates adds it)"
+                          if passthrough else "") + f"; {held}")
+    like: dict[str, float] = {}
+    for name, (at_table, at_sibling) in zip(siblings, probes):
+        n = min(at_sibling.size, at_table.size)
+        a, b = at_table.reshape(-1)[:n], at_sibling.reshape(-1)[:n]
+        if not np.abs(b).max(initial=0.0) > 0:
+            continue  # a leaf the optimizer does not step either
+        for times in (1.0, 2.0):
+            if _close(a, times * b, unit, 4):
+                like.setdefault(name, times)
+    if 1.0 in like.values():
+        name = next(k for k, v in like.items() if v == 1.0)
+        return passed(check, _ONCE, f"moved down its gradient by one update: the optimizer's "
+                      f"update for {name}, holding the table's values and gradient, is the "
+                      f"same; {held}")
+    if like:
+        name = next(iter(like))
+        return failed(check, _ONCE, "optimizer_sees_tie_twice",
+                      f"the table is stepped twice: its update is twice the optimizer's "
+                      f"update for {name} holding the table's values and gradient; {held}")
+    return passed(check, _ONCE, "moved down its gradient; its update is like no other leaf's "
+                  f"on the same values ({', '.join(siblings) or 'no other leaf'}: another "
+                  "learning rate, or a layer-wise rule), so one update is not told from two; "
+                  f"{held}")
 
 
 def identity_findings(spec: str, form: Form, tie: Tie, t: Any, y: Any,

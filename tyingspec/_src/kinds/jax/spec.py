@@ -1,6 +1,7 @@
 """The jax kind's table entry: a Flax NNX module factory, a Linen module with its variables, or
 a pure ``loss_fn(params, tokens, targets)`` (a ``tyingspec.JaxTarget``), its tie found in the
-loss's jaxpr and its two paths split there (:mod:`kinds.jax.adapter`, in the worker).
+loss's jaxpr and its two paths split there (:mod:`kinds.jax.adapter`, in the worker); each
+case's batch and table dtype drawn at the model's own shape (:mod:`kinds.jax.setting`).
 
 Nothing here imports jax: the call does, in the process that runs the model.
 """
@@ -21,6 +22,7 @@ from tyingspec._src.core.kind import (
     zoo,
 )
 from tyingspec._src.core.paths import Paths
+from tyingspec._src.kinds.jax.setting import jax_cases, shape_cases
 
 
 def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
@@ -48,4 +50,5 @@ SPEC = KindSpec(
     reference=_reference, second_call="none",
     properties=("jax_tie_identity", "jax_optimizer_sees_tie_once", "jax_gradient_by_path",
                 "jax_gradient_against_forward"),
-    builtins=_builtins, own_shape=True, takes_precision=True)
+    builtins=_builtins, own_shape=True, takes_precision=True, cases=jax_cases,
+    shape_cases=shape_cases)

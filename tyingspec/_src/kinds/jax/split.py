@@ -60,6 +60,12 @@ class Recorder:
     lookups: list[dict[str, Any]] = field(default_factory=list)
     heads: list[dict[str, Any]] = field(default_factory=list)
     other: list[str] = field(default_factory=list)  # uses that are neither (by primitive)
+    # the dtypes the table is converted to on its way to a use: the dtypes the model runs it in
+    casts: list[str] = field(default_factory=list)
+    # a slice of the table: its shape, the slice's start and its size on each axis (a
+    # position table read as ``pe[:, :T]``: the context is its size on that axis)
+    slices: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = field(
+        default_factory=list)
 
 
 def _inner(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
@@ -125,6 +131,8 @@ def _apply(eqn: Any, ins: list[Any], rec: Recorder) -> list[Any]:
         k = tied[0]
         t: Tied = ins[k]
         if name in _PASS and len(ins) == 1:
+            if name == "convert_element_type":
+                rec.casts.append(str(jnp.dtype(eqn.params["new_dtype"])))
             return both(k, lambda v: with_(k, v), t.transposed)
         if name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0):
             return both(k, lambda v: with_(k, v), not t.transposed)
@@ -139,9 +147,27 @@ def _apply(eqn: Any, ins: list[Any], rec: Recorder) -> list[Any]:
             out = _head(eqn, ins, k, t, rec)
             if out is not None:
                 return [out]
+        _sliced(eqn, ins, k, rec)
     rec.other.append(name)
     # evaluation goes on with the head's version: the observation is refused for this use
     return _bind(eqn, [x.out if isinstance(x, Tied) else x for x in ins])
+
+
+def _sliced(eqn: Any, ins: list[Any], k: int, rec: Recorder) -> None:
+    """Record a static or dynamic slice of the table (``k == 0``): its shape, where it
+    starts and how much it keeps on each axis (a start that is not known is -1)."""
+    if k != 0 or eqn.primitive.name not in ("slice", "dynamic_slice"):
+        return
+    shape = tuple(int(n) for n in np.shape(ins[0].inp))
+    if eqn.primitive.name == "slice":
+        starts = tuple(int(a) for a in eqn.params["start_indices"])
+        sizes = tuple(int(b) - int(a) for a, b in zip(eqn.params["start_indices"],
+                                                       eqn.params["limit_indices"]))
+    else:
+        starts = tuple(int(i) if not isinstance(i, jax.core.Tracer) and np.ndim(i) == 0
+                       else -1 for i in ins[1:])
+        sizes = tuple(int(n) for n in eqn.params["slice_sizes"])
+    rec.slices.append((shape, starts, sizes))
 
 
 def _lookup(eqn: Any, ins: list[Any], t: Tied, rec: Recorder) -> Any:
@@ -206,10 +232,27 @@ class Survey:
     lookups: int
     heads: int
     other: tuple[str, ...]
+    casts: tuple[str, ...] = ()  # dtypes it is converted to on its way to a use
+    # rows read by position (a lookup whose indices are 0, 1, ... along the sequence, known
+    # without the parameters: a position table), and the slices taken of it
+    by_position: bool = False
+    slices: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
+
+
+def _positions(ids: Any) -> bool:
+    """Whether lookup indices are known values counting 0, 1, ... along their last axis (a
+    position table read with ``arange(T)``), not tokens."""
+    if isinstance(ids, jax.core.Tracer):
+        return False
+    a = np.asarray(ids)
+    if a.ndim >= 2 and a.shape[-1] == 1:  # a gather's index vector dimension
+        a = a[..., 0]
+    return a.ndim >= 1 and a.shape[-1] > 1 and bool(np.all(a == np.arange(a.shape[-1])))
 
 
 def survey(tr: Traced, i: int) -> Survey:
-    """How leaf ``i`` is used (abstractly evaluated: no arithmetic runs)."""
+    """How leaf ``i`` is used (abstractly evaluated: no arithmetic on the parameters runs;
+    what depends on the batch alone is computed, so lookup indices are known values)."""
     rec = Recorder()
 
     def run(*xs: Any) -> Any:
@@ -217,8 +260,10 @@ def survey(tr: Traced, i: int) -> Survey:
         args[i] = Tied(xs[i], xs[i])
         return _eval(tr.jaxpr.jaxpr, tr.jaxpr.consts, args, rec)[0]
 
-    jax.eval_shape(run, *tr.leaves)
-    return Survey(len(rec.lookups), len(rec.heads), tuple(rec.other))
+    with jax.ensure_compile_time_eval():
+        jax.eval_shape(run, *tr.leaves)
+    return Survey(len(rec.lookups), len(rec.heads), tuple(rec.other), tuple(rec.casts),
+                  any(_positions(u["ids"]) for u in rec.lookups), tuple(rec.slices))
 
 
 @dataclass(frozen=True)
@@ -237,6 +282,9 @@ class Observed:
     lookups: int
     heads: int
     problem: str | None
+    # the least precise dtype a head's logits are computed in: what the output path's
+    # contraction over the batch rounds at
+    logits_dtype: str = "float64"
 
 
 def _args(tr: Traced, lookup: int, head: int, E_in: Any, E_out: Any) -> list[Any]:
@@ -314,8 +362,10 @@ def observe(tr: Traced, lookup: int, head: int) -> Observed:
         if np.abs(g_all.T @ h_all - dE_out).max(initial=0.0) > tol or \
                 np.abs(rebuilt_in - dE_in).max(initial=0.0) > tol:
             problem = "the recorded dx, h and g do not rebuild JAX's own split of the paths"
+    logits = max((jnp.dtype(u["dtype"]) for u in shapes.heads),
+                 key=lambda dt: float(np.finfo(dt).eps), default=jnp.dtype(jnp.float64))
     return Observed(float(loss), dE_in, dE_out, ids, dx, h_all, g_all, len(rec.lookups),
-                    len(rec.heads), problem)
+                    len(rec.heads), problem, str(logits))
 
 
 def least_precise(tr: Traced) -> Any:

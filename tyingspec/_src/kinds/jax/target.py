@@ -33,7 +33,8 @@ class JaxTarget:
     default both are discovered (a leaf used by a row lookup and by a head).  ``optimizer``
     builds the target's optax optimizer from the parameter tree; ``step`` is its training
     step (see :data:`MakeStep`; default: tyingspec's own ``jax.jit`` SGD step).
-    ``batch_size`` x ``seq_len`` tokens make a batch.
+    ``seq_len`` (and ``batch_size``) fix the batch every case runs; by default each case
+    draws its own, up to the model's whole context (see :mod:`kinds.jax.setting`).
     """
 
     model: Callable[[], Any] | None = None
@@ -44,8 +45,8 @@ class JaxTarget:
     head: str | None = None
     optimizer: Callable[[Any], Any] | None = None
     step: MakeStep | None = None
-    batch_size: int = 2
-    seq_len: int = 8
+    batch_size: int | None = None
+    seq_len: int | None = None
 
     def __call__(self) -> JaxTarget:
         """The target itself: a target is a factory like any other."""

@@ -131,7 +131,7 @@ def linen_tied() -> JaxTarget:
 
     module = TiedLM()
     params = module.init(jax.random.PRNGKey(0), jnp.zeros((B, T), jnp.int32))
-    return JaxTarget(module=module, params=params, batch_size=B, seq_len=T)
+    return JaxTarget(module=module, params=params)
 
 
 # --- pure functions ---------------------------------------------------------------------------
@@ -143,10 +143,12 @@ def _loss(p: dict[str, Any], tokens: Any, targets: Any) -> Any:
 
 def function_tied() -> JaxTarget:
     """The correct pure ``loss_fn(params, tokens, targets)``, the table declared."""
-    return JaxTarget(loss_fn=_loss, params=_arrays, table="embed", batch_size=B, seq_len=T)
+    return JaxTarget(loss_fn=_loss, params=_arrays, table="embed")
 
 
-def _set_lookup() -> Any:
+def _set_lookup(added: int = 0) -> Any:
+    """A ``custom_vjp`` lookup whose backward adds the first ``added`` tokens' rows and writes
+    the rest with ``.set`` (over what is there): a repeated token keeps one of them."""
     import jax
     import jax.numpy as jnp
 
@@ -159,8 +161,10 @@ def _set_lookup() -> Any:
 
     def bwd(res: Any, g: Any) -> tuple[Any, None]:
         zeros, ids = res
+        flat, rows = ids.reshape(-1), g.reshape(-1, g.shape[-1])
         # the bug: .set keeps one write per row (the last), .add would sum them
-        return zeros.at[ids.reshape(-1)].set(g.reshape(-1, g.shape[-1])), None
+        return zeros.at[flat[:added]].add(rows[:added]).at[flat[added:]].set(rows[added:]), \
+            None
 
     lookup.defvjp(fwd, bwd)
     return lookup
@@ -191,11 +195,15 @@ def function_custom_vjp_set() -> JaxTarget:
         E = p["embed"]
         return _ce(_body(lookup(E, tokens), p["w"], p["b"]) @ E.T, targets)
 
-    return JaxTarget(loss_fn=loss_fn, params=_arrays, batch_size=B, seq_len=T)
+    return JaxTarget(loss_fn=loss_fn, params=_arrays)
 
 
-def function_custom_vjp_head_halved() -> JaxTarget:
+def _halved_head(only: str | None = None) -> Any:
+    """A ``custom_vjp`` head ``h @ E.T`` whose backward halves the table's gradient (a fused
+    head rescaling its path); ``only``: for a table of that dtype alone (a kernel's
+    low-precision branch)."""
     import jax
+    import jax.numpy as jnp
 
     @jax.custom_vjp
     def head(h: Any, E: Any) -> Any:
@@ -206,16 +214,23 @@ def function_custom_vjp_head_halved() -> JaxTarget:
 
     def bwd(res: Any, g: Any) -> tuple[Any, Any]:
         h, E = res
-        g2, h2 = g.reshape(-1, g.shape[-1]), h.reshape(-1, h.shape[-1])
-        return g @ E, 0.5 * (g2.T @ h2)  # the bug: the table's output path halved
+        dE = g.reshape(-1, g.shape[-1]).T @ h.reshape(-1, h.shape[-1])
+        if only is None or E.dtype == jnp.dtype(only):
+            dE = 0.5 * dE  # the bug: the table's output path halved
+        return (g @ E).astype(h.dtype), dE.astype(E.dtype)
 
     head.defvjp(fwd, bwd)
+    return head
+
+
+def function_custom_vjp_head_halved() -> JaxTarget:
+    head = _halved_head()
 
     def loss_fn(p: dict[str, Any], tokens: Any, targets: Any) -> Any:
         E = p["embed"]
         return _ce(head(_body(E[tokens], p["w"], p["b"]), E), targets)
 
-    return JaxTarget(loss_fn=loss_fn, params=_arrays, batch_size=B, seq_len=T)
+    return JaxTarget(loss_fn=loss_fn, params=_arrays)
 
 
 def function_two_paths() -> JaxTarget:
@@ -234,8 +249,7 @@ def function_two_paths() -> JaxTarget:
         return optax.multi_transform({"tied": optax.adamw(1e-3), "rest": optax.adamw(1e-3)},
                                      labels)
 
-    return JaxTarget(loss_fn=loss_fn, params=params, optimizer=optimizer, batch_size=B,
-                     seq_len=T)
+    return JaxTarget(loss_fn=loss_fn, params=params, optimizer=optimizer)
 
 
 def function_stale_step() -> JaxTarget:
@@ -260,7 +274,7 @@ def function_stale_step() -> JaxTarget:
 
         return step
 
-    return JaxTarget(loss_fn=_loss, params=_arrays, step=make_step, batch_size=B, seq_len=T)
+    return JaxTarget(loss_fn=_loss, params=_arrays, step=make_step)
 
 
 JAX_BUILTINS: dict[str, JaxBuiltin] = {b.name: b for b in [
