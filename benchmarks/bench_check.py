@@ -129,8 +129,9 @@ def floor_parts(batch: Batch) -> dict[str, Callable[[], object]]:
 
     - (R) the reference's two products of V*d*N multiply-adds, ``logits = h @ E.T`` and
       ``dh = g @ E``, as ``core.paths.forward_parts`` computes them for this batch: through
-      E's integer factors in float64 where the case draws E of rank ``core.cases.E_RANK``
-      (GPT-2 size and up), else as numpy float32 matmuls.  A reference that trusts nothing
+      E's integer factors in float64 where the case draws E through them (a part of rank
+      ``core.cases.E_RANK`` plus one entry a row: GPT-2 size and up), else as numpy float32
+      matmuls.  A reference that trusts nothing
       the target returns must form the logits to know ``g`` and ``dh`` to know ``dx``, the
       input path; ``dx`` is not linear in ``g @ E`` through a sketch, since
       ``du = dh * (1 - tanh(u)**2)`` weights each entry;
@@ -444,7 +445,8 @@ VERDICT_RUNS: list[tuple[str, str, str, str]] = [
      ADAPTERS["one_token_twice_not_accumulated"]),
     ("tied_f32", "float32", "token-zero", "correct"),
     ("padding_row_masked", "float32", "token-zero", ADAPTERS["padding_row_masked"]),
-    ("tied_f32_upcast", "auto", "repeated-tokens", "precision_limited"),
+    ("tied_f32_upcast", "auto", "repeated-tokens", ADAPTERS["tied_f32_upcast"]),
+    ("tied_f32_upcast", "float64", "repeated-tokens", "precision_limited"),
     ("tied_f32_upcast", "float32", "repeated-tokens", "correct"),
 ]
 

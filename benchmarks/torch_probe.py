@@ -12,7 +12,8 @@ Every adapter computes in float32 with torch autograd and returns ``loss`` as a 
 
 - ``tied_f32``: correct; one leaf ``E`` used twice, autograd sums the two paths.
 - ``tied_f32_upcast``: ``tied_f32`` with the gradients returned as float64 (a float32 result
-  dressed as float64: at ``--precision auto`` it is judged at float64).
+  dressed as float64: at ``--precision auto`` every value it returns is a float32, so it is
+  judged at float32 and correct; at ``--precision float64``, ``precision_limited``).
 - ``input_path_dropped``: the untied twin (lookup table ``E_in``, head ``U``, both = E); dE is
   ``U``'s gradient only (the output path).
 - ``one_token_twice_not_accumulated``: a custom lookup backward that, like numpy's buffered
@@ -149,7 +150,7 @@ def padding_row_masked(E: np.ndarray, W: np.ndarray, b: np.ndarray | None,
 #: name -> the label tyingspec should reach ("correct" for the right ones).
 ADAPTERS: dict[str, str] = {
     "tied_f32": "correct",
-    "tied_f32_upcast": "precision_limited",
+    "tied_f32_upcast": "correct",
     "input_path_dropped": "input_path_missing",
     "one_token_twice_not_accumulated": "duplicates_not_accumulated",
     "path_halved": "path_scaled",

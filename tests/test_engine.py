@@ -133,9 +133,13 @@ def test_a_float32_torch_adapter_passes(torch_adapters: str,
     assert "judged at float32" in capsys.readouterr().out
 
 
-def test_upcasting_a_float32_result_is_precision_limited_and_passes_at_float32(
+def test_upcasting_a_float32_result_is_judged_at_float32_unless_float64_is_declared(
         torch_adapters: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", f"{torch_adapters}:f32_upcast"]) == 1
+    # every value it returns is a float32: judged there (issue 50 §5), and correct
+    assert main(["check", f"{torch_adapters}:f32_upcast"]) == 0
+    assert "judged at float32 (every value it returned is a float32" in capsys.readouterr().out
+    # declared float64: beyond that bound, within float32's, and named for what it is
+    assert main(["check", f"{torch_adapters}:f32_upcast", "--precision", "float64"]) == 1
     out = capsys.readouterr().out
     assert "precision_limited" in out and "rerun with --precision float32" in out
     for label in LABELS:

@@ -1,5 +1,6 @@
-"""E of rank ``E_RANK`` at production shapes (``core.cases._drawn_low_rank``) and the reference's
-products through its factors (``core.paths.LowRank``).
+"""E at production shapes (``core.cases._drawn_low_rank``): a part of rank ``E_RANK`` plus one
+entry a row, of full rank, and the reference's products through its factors
+(``core.paths.LowRank``).
 
 Production shapes are slow to test, so most of these force the low-rank draw on small shapes
 (``LOW_RANK_ABOVE``, ``LOW_RANK_FROM`` and ``E_RANK`` lowered) and hold it to what a dense E
@@ -51,17 +52,30 @@ def test_a_production_shape_draws_E_exactly_as_its_factors(dtype: str) -> None:
     assert e_rank(case) == _cases.E_RANK
     b = build(case)
     f = b.e_factors()
-    assert f is not None and f.rank == _cases.E_RANK
+    assert f is not None and f.rank == _cases.E_RANK and f.spikes is not None
     assert b.E.dtype == numpy_dtype(dtype)  # type: ignore[arg-type]
-    for factor in (f.A, f.B):
+    for factor in (f.A, f.B, f.spikes):
         assert np.array_equal(factor, np.round(factor))
-        assert np.abs(factor).max() <= 255
+    assert np.abs(f.A).max() <= 255 and np.abs(f.B).max() <= 255
+    # every entry of A @ B + S is an integer float32 holds exactly
+    assert (np.abs(f.A) @ np.abs(f.B)).max() + np.abs(f.spikes).max() < 2**24
     assert float(np.log2(f.scale)).is_integer()
-    # exact: the float64 product of the factors is E, bit for bit, in E's own dtype
-    assert np.array_equal((f.A @ f.B * f.scale).astype(b.E.dtype), b.E)
-    assert np.array_equal(f.A @ f.B * f.scale, b.E.astype(np.float64))
-    # E's spread is the case's, as a dense draw's is
+    # exact: the float64 matrix of the factors is E, bit for bit, in E's own dtype
+    assert np.array_equal(f.dense().astype(b.E.dtype), b.E)
+    assert np.array_equal(f.dense(), b.E.astype(np.float64))
+    # E's spread is the case's, as a dense draw's is, a quarter of its variance on S
     np.testing.assert_allclose(float(b.E.std()), case.e_scale, rtol=0.02, atol=0.0)
+    rows = np.arange(b.E.shape[0])
+    spike_var = float((f.spikes * f.scale).var()) / D_PROD
+    np.testing.assert_allclose(spike_var, _cases.SPIKE_SHARE * case.e_scale**2, rtol=0.05)
+    # and E is of full rank: any 2 d of its rows span all of d (the low-rank part alone, 32)
+    assert np.linalg.matrix_rank(b.E[:2 * D_PROD].astype(np.float64)) == D_PROD
+    assert np.linalg.matrix_rank((f.A @ f.B)[:2 * D_PROD]) == _cases.E_RANK
+    # S's entry of row v is at column v % d
+    S = f.dense() / f.scale - f.A @ f.B
+    assert np.array_equal(S[rows, rows % D_PROD], f.spikes)
+    S[rows, rows % D_PROD] = 0
+    assert not S.any()
 
 
 def test_the_rest_of_the_batch_is_the_one_a_dense_E_draws(
@@ -168,7 +182,9 @@ def test_every_builtin_gets_the_same_verdict_on_a_low_rank_E(
     dense = {n: labels(kind, n) for n in names}
     _small_low_rank(monkeypatch, rank=2)
     drawn = build(_case(160, 12, 24))
-    assert drawn.e_factors() is not None and np.linalg.matrix_rank(drawn.E) == 2
+    f = drawn.e_factors()
+    assert f is not None and np.linalg.matrix_rank(f.A @ f.B) == 2
+    assert np.linalg.matrix_rank(drawn.E) == 12  # with one entry a row: full rank
     low = {n: labels(kind, n) for n in names}
     assert low == dense
     assert any(status == "wrong" for rows in low.values() for _, status, _, _ in rows)

@@ -1,27 +1,29 @@
 """The ``--json`` reports match the JSON Schema files published in ``tyingspec/schemas/``.
 
-Each schema is checked for form (only the keywords of the subset below, every ``$ref`` and
-``required`` name resolving, its title the string the code writes), and real reports are
-validated against it: ``tyingspec check --json`` with no target (``tyingspec.demo/1``), a
-failing built-in and a ``--kind linear-ce`` run (``tyingspec.check/1``), ``tyingspec ckpt
-inspect --json`` and ``tyingspec mutants --json``.  A report is validated strictly: a key the
-schema does not declare fails here, though the schema itself admits one (a new key may appear
-in a minor version; consumers must ignore keys they do not know).
-
-The validator is this file's own, for the subset of JSON Schema the files use (``type``,
-``properties``, ``required``, ``items``, ``enum``, ``additionalProperties`` and local
-``$ref``), so the test needs no dependency; where ``jsonschema`` is importable the schemas are
-also checked against draft 2020-12's metaschema and the reports validated by it too.
+Each schema is checked for form (draft 2020-12's metaschema, an ``$id`` named for its file,
+only keywords the draft defines, every ``$ref`` and ``required`` name resolving, its title the
+string the code writes), and real reports are validated against it with ``jsonschema`` (the
+``dev`` extra): ``tyingspec check --json`` with no target (``tyingspec.demo/1``), a failing
+built-in and a ``--kind linear-ce`` run (``tyingspec.check/1``), ``tyingspec ckpt inspect
+--json`` and ``tyingspec mutants --json``.  A report is validated strictly: a key the schema
+does not declare fails here (the schema is validated with ``additionalProperties: false``
+wherever it lists ``properties`` and says nothing of other keys), though the schema itself
+admits one (a new key may appear in a minor version; consumers must ignore keys they do not
+know).  The snippet docs/json-report.md gives a consumer runs here as written.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
+from referencing import Registry, Resource
 
 from tyingspec._src.core.diagnosis import LABELS
 from tyingspec._src.front.cli import main
@@ -36,10 +38,20 @@ FILES = {"check-1.json": "tyingspec.check/1", "demo-1.json": "tyingspec.demo/1",
          "ckpt-1.json": "tyingspec.ckpt/1", "mutants-1.json": "tyingspec.mutants/1"}
 #: schema strings in tyingspec's code that are no ``--json`` report
 NOT_REPORTS = {"tyingspec.baseline/1": "the --baseline / --tyingspec-baseline file"}
+#: a schema file's ``$id``: an identifier, not a download address (the file is installed with
+#: the package)
+ID = "urn:tyingspec:schemas/{}"
 
-VALIDATING = {"type", "properties", "required", "items", "enum", "additionalProperties", "$ref"}
-ANNOTATIONS = {"$schema", "title", "description", "$defs"}
+Validator = jsonschema.Draft202012Validator
+#: every keyword draft 2020-12 defines: its validators and its annotations and identifiers
+KEYWORDS = set(Validator.VALIDATORS) | {
+    "$schema", "$id", "$anchor", "$dynamicAnchor", "$vocabulary", "$comment", "$defs", "title",
+    "description", "default", "examples", "deprecated", "readOnly", "writeOnly"}
 TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
+#: keywords whose value is a map of name -> schema, a schema, a list of schemas
+MAPS, SUBSCHEMAS, LISTS = (("properties", "$defs", "patternProperties"),
+                           ("items", "additionalProperties", "not", "contains"),
+                           ("anyOf", "oneOf", "allOf", "prefixItems"))
 
 
 def load_schema(name: str) -> dict[str, Any]:
@@ -48,82 +60,59 @@ def load_schema(name: str) -> dict[str, Any]:
     return schema
 
 
-# --- the validator ---------------------------------------------------------------------------
-
-def _is(value: Any, kind: str) -> bool:
-    if kind == "null":
-        return value is None
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    return isinstance(value, {"object": dict, "array": list, "string": str}[kind])
+def registry() -> Registry[Any]:
+    """Every schema file, each under its ``$id``."""
+    resources = [Resource.from_contents(load_schema(name)) for name in FILES]
+    return Registry().with_resources((r.id(), r) for r in resources)
 
 
-def _resolve(root: dict[str, Any], ref: str) -> dict[str, Any]:
-    assert ref.startswith("#/"), f"only local $ref is used: {ref}"
-    node: Any = root
-    for part in ref[2:].split("/"):
-        node = node[part]
-    assert isinstance(node, dict)
-    return node
+def strict(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` added wherever it lists ``properties`` and
+    says nothing of other keys, in it and in every schema it holds."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in MAPS:
+        if key in out:
+            out[key] = {name: strict(sub) for name, sub in out[key].items()}
+    for key in SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = strict(out[key])
+    for key in LISTS:
+        if key in out:
+            out[key] = [strict(sub) for sub in out[key]]
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
-def errors(value: Any, schema: dict[str, Any], root: dict[str, Any], where: str = "$",
-           *, strict: bool = True) -> list[str]:
-    """Where ``value`` breaks ``schema``; ``strict``: an object key that a ``properties``
-    schema without ``additionalProperties`` does not declare is an error too."""
-    if "$ref" in schema:
-        return errors(value, _resolve(root, schema["$ref"]), root, where, strict=strict)
-    found: list[str] = []
-    if "type" in schema:
-        kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        if not any(_is(value, k) for k in kinds):
-            return [f"{where}: {type(value).__name__} {value!r:.60} is not {' or '.join(kinds)}"]
-    if "enum" in schema and value not in schema["enum"]:
-        found.append(f"{where}: {value!r} is not one of {schema['enum']}")
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        for key in schema.get("required", ()):
-            if key not in value:
-                found.append(f"{where}: required key {key!r} missing")
-        extra = schema.get("additionalProperties")
-        for key, item in value.items():
-            if key in props:
-                found += errors(item, props[key], root, f"{where}.{key}", strict=strict)
-            elif isinstance(extra, dict):
-                found += errors(item, extra, root, f"{where}.{key}", strict=strict)
-            elif extra is False or (strict and "properties" in schema):
-                found.append(f"{where}: key {key!r} is not in the schema")
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            found += errors(item, schema["items"], root, f"{where}[{i}]", strict=strict)
-    return found
+def errors(value: Any, schema: dict[str, Any], *, strictly: bool = True) -> list[str]:
+    """Where ``value`` breaks ``schema`` (``strictly``: an object key the schema does not
+    declare is an error too), as ``jsonschema`` words it: ``$.path: message``."""
+    validator = Validator(strict(schema) if strictly else schema)
+    return [f"{e.json_path}: {e.message}"
+            for e in sorted(validator.iter_errors(value), key=lambda e: e.json_path)]
 
 
 def assert_valid(report: dict[str, Any], name: str) -> None:
-    schema = load_schema(name)
-    problems = errors(report, schema, schema)
+    problems = errors(report, load_schema(name))
     assert not problems, "\n".join(problems[:20])
-    try:
-        import jsonschema
-    except ImportError:
-        return
-    jsonschema.Draft202012Validator(schema).validate(report)
+    Validator(load_schema(name)).validate(report)  # and as a consumer validates it
 
 
 # --- the schema files ------------------------------------------------------------------------
 
 def _subschemas(schema: dict[str, Any], where: str = "$") -> list[tuple[str, dict[str, Any]]]:
     out = [(where, schema)]
-    for key in ("properties", "$defs"):
+    for key in MAPS:
         for name, sub in schema.get(key, {}).items():
             out += _subschemas(sub, f"{where}.{key}.{name}")
-    for key in ("items", "additionalProperties"):
+    for key in SUBSCHEMAS:
         if isinstance(schema.get(key), dict):
             out += _subschemas(schema[key], f"{where}.{key}")
+    for key in LISTS:
+        for i, sub in enumerate(schema.get(key, ())):
+            out += _subschemas(sub, f"{where}.{key}[{i}]")
     return out
 
 
@@ -134,14 +123,17 @@ def test_the_schema_files_are_the_ones_listed() -> None:
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_each_schema_file_is_well_formed(name: str) -> None:
     schema = load_schema(name)
+    Validator.check_schema(schema)  # draft 2020-12's metaschema
     assert schema["$schema"] == DRAFT
+    assert schema["$id"] == ID.format(name)
     assert schema["title"] == FILES[name], name
     assert schema["type"] == "object"
     assert schema["properties"]["schema"] == {"type": "string", "enum": [FILES[name]]}
     assert "schema" in schema["required"]
+    resolver = registry().resolver(base_uri=schema["$id"])
     for where, sub in _subschemas(schema):
-        unknown = set(sub) - VALIDATING - ANNOTATIONS
-        assert not unknown, f"{name} {where}: keywords outside the subset: {unknown}"
+        unknown = set(sub) - KEYWORDS
+        assert not unknown, f"{name} {where}: keywords draft 2020-12 does not define: {unknown}"
         kinds = sub.get("type", [])
         assert set(kinds if isinstance(kinds, list) else [kinds]) <= TYPES, (name, where)
         assert set(sub.get("required", ())) <= set(sub.get("properties", {})), (name, where)
@@ -150,12 +142,13 @@ def test_each_schema_file_is_well_formed(name: str) -> None:
             assert isinstance(sub["enum"], list) and sub["enum"], (name, where)
             assert len(set(map(json.dumps, sub["enum"]))) == len(sub["enum"]), (name, where)
         if "$ref" in sub:
-            _resolve(schema, sub["$ref"])
-    try:
-        import jsonschema
-    except ImportError:
-        return
-    jsonschema.Draft202012Validator.check_schema(schema)
+            assert isinstance(resolver.lookup(sub["$ref"]).contents, dict), (name, where)
+
+
+def test_each_schema_is_found_by_its_id() -> None:
+    found = registry()
+    for name in FILES:
+        assert found[ID.format(name)].contents == load_schema(name)
 
 
 def test_every_report_schema_the_code_writes_has_a_file() -> None:
@@ -186,6 +179,7 @@ def test_the_json_report_doc_names_each_schema_file() -> None:
     for name, title in FILES.items():
         assert f"tyingspec/schemas/{name}" in text, name
         assert title in text, title
+    assert ID.format("<file>") in text or ID.format("check-1.json") in text
 
 
 def test_the_validator_rejects_what_the_schema_forbids() -> None:
@@ -193,16 +187,31 @@ def test_the_validator_rejects_what_the_schema_forbids() -> None:
     good = {"schema": "tyingspec.check/1", "target": "t", "kind": "model", "seed": 0,
             "verdict": "correct", "diagnosis": "correct", "exit_code": 0, "precision": "auto",
             "load_error": None, "cases": [], "baseline": None}
-    assert errors(good, schema, schema) == []
+    assert errors(good, schema) == []
     for change, words in [({"kind": "tensorflow"}, "is not one of"),
-                          ({"seed": "0"}, "is not integer"),
-                          ({"exit_code": True}, "is not integer"),
-                          ({"surprise": 1}, "not in the schema"),
-                          ({"cases": [{"name": "c"}]}, "required key 'seed' missing")]:
-        found = errors({**good, **change}, schema, schema)
+                          ({"seed": "0"}, "is not of type 'integer'"),
+                          ({"exit_code": True}, "is not of type 'integer'"),
+                          ({"surprise": 1}, "('surprise' was unexpected)"),
+                          ({"cases": [{"name": "c"}]}, "'seed' is a required property")]:
+        found = errors({**good, **change}, schema)
         assert any(words in e for e in found), (change, found)
+    # the key the schema does not name is refused here only: the schema itself admits it
+    assert errors({**good, "surprise": 1}, schema, strictly=False) == []
     del good["cases"]
-    assert errors(good, schema, schema) == ["$: required key 'cases' missing"]
+    assert errors(good, schema) == ["$: 'cases' is a required property"]
+
+
+def test_the_docs_validation_snippet_runs_as_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (snippet,) = re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
+    run_json(tmp_path, ["check", "output-path-only"], 1, capsys)  # writes report.json
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (tmp_path / "report.json").write_text(json.dumps({"schema": "tyingspec.check/1"}))
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "ValidationError" in done.stderr, done.stderr[-2000:]
 
 
 # --- real reports ----------------------------------------------------------------------------

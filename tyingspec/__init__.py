@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+#: The release (CHANGELOG.md); pyproject.toml reads it from here, and the Action's tag in
+#: examples/ci/tied-gradients.yml is ``v`` and this.
+__version__ = "0.2.0"
+
 if TYPE_CHECKING:
     from tyingspec._src.core.adapters import AdapterError, Returned
     from tyingspec._src.core.cases import Batch, Case, build, standard_cases
@@ -37,7 +41,13 @@ if TYPE_CHECKING:
         reference,
     )
     from tyingspec._src.front.api import assert_correct, check
-    from tyingspec._src.front.check import CaseResult, CheckFailed, CheckReport, check_target
+    from tyingspec._src.front.check import (
+        CaseResult,
+        CheckFailed,
+        CheckReport,
+        NoPower,
+        check_target,
+    )
     from tyingspec._src.kinds.distributed.target import DistributedTarget
     from tyingspec._src.kinds.jax.target import JaxTarget
     from tyingspec._src.kinds.probe.builtins import REGISTRY
@@ -53,6 +63,7 @@ _WHERE: dict[str, str] = {
     "CaseResult": "._src.front.check",
     "CheckReport": "._src.front.check",
     "CheckFailed": "._src.front.check",
+    "NoPower": "._src.front.check",
     "check": "._src.front.api",
     "assert_correct": "._src.front.api",
     "Diagnosis": "._src.core.diagnosis",
@@ -112,6 +123,7 @@ __all__ = [
     "Kind",
     "KindSpec",
     "Label",
+    "NoPower",
     "Observation",
     "Paths",
     "Power",

@@ -96,7 +96,7 @@ class Case:
         b = "with b" if self.bias else "no b"
         scale = "" if self.e_scale == 1.0 else f" e_scale={self.e_scale:g}"
         rank = e_rank(self)
-        low = "" if rank is None else f" E of rank {rank}"
+        low = "" if rank is None else f" E of rank {rank} + one entry a row"
         return (f"V={self.V} d={self.d} N={self.N} res={self.res:g} s_in={self.s_in:g} {b} "
                 f"{self.dtype}{scale}{low} seed={self.seed}")
 
@@ -132,7 +132,7 @@ class Batch:
     grad_output: Array | None = None  # drawn [N] upstream gradient for reduction="none"
     # the kind's inputs, kept when E was let go (see :func:`released`); None: built from E
     inputs: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
-    # E's integer factors, when it was drawn of rank E_RANK (see :func:`e_rank`)
+    # E's integer factors, when it was drawn through them (see :func:`e_rank`)
     low_rank: LowRank | None = field(default=None, compare=False, repr=False)
 
     def e_factors(self) -> LowRank | None:
@@ -197,31 +197,40 @@ DRAW_SPLIT_ABOVE = 1 << 22
 #: Entries per block of :func:`_drawn_in_blocks` (16 MB in float32): few enough blocks that
 #: spawning costs nothing, enough that two cores share them evenly.
 DRAW_BLOCK = 1 << 22
-#: The rank of E at production shapes.  A probe case in float32 or float64 with at least
-#: ``LOW_RANK_ABOVE`` entries of E and at least ``LOW_RANK_FROM`` rows and columns draws E as
-#: ``scale * (A @ B)``, ``A [V, r]`` and ``B [r, d]`` of integers (see :func:`_drawn_low_rank`),
-#: and the reference computes its two V d N products, the logits ``h @ E.T`` and ``dh = g @ E``,
-#: through the factors (``core.paths.LowRank``), r / d of the multiply-adds (1/24 at GPT-2's
-#: width, 1/128 at Llama-3's): at GPT-2 size 0.29 CPU seconds in float64 where the dense
-#: float32 products took 1.53 (docs/speed.md).  The
-#: implementation gets E as a plain [V, d] matrix and does all of its own work.  What a check
-#: asks of E is that every logit and gradient entry is a sum of many products of it with signs
-#: that do not cancel by design, so that each path and each row carries its own value: a
-#: rank-32 E's rows are distinct (32 integers each) and its logits, gradients and their
-#: rounding are of the same size as a dense E's.  What it gives up is an E whose rows span all
-#: of d: a bug whose error lies only in directions no row of E reaches would be missed, and the
-#: forward (the logits) sees h only through B's 32 directions (dE's output path ``g.T @ h``
-#: still sees all of h, and dx all of dh times tanh').  Smaller shapes draw dense E as before.
+#: The rank of E's low-rank part at production shapes.  A probe case in float32 or float64 with
+#: at least ``LOW_RANK_ABOVE`` entries of E and at least ``LOW_RANK_FROM`` rows and columns
+#: draws E as ``scale * (A @ B + S)``: ``A [V, r]`` and ``B [r, d]`` of integers, and ``S``
+#: one integer a row, at column ``v % d`` (see :func:`_drawn_low_rank`), so E is of full rank
+#: while the reference computes its two V d N products, the logits ``h @ E.T`` and
+#: ``dh = g @ E``, through the factors (``core.paths.LowRank``), about (r + 1) / d of the
+#: multiply-adds (1/23 at GPT-2's width, 1/124 at Llama-3's; S costs N V, not N V d).  The
+#: implementation gets E as a plain [V, d] matrix and does all of its own work.
+#:
+#: Why S: ``A @ B`` alone (E of rank 32, until issue 50) left every direction outside B's 32
+#: unreached, and what such an E cannot tell apart it passes.  A head that truncates E to rank
+#: 64 (SVD-softmax style) computed exact logits from it; an adapter that took E's rank knew it
+#: was being checked; a kernel that sketched ``h`` at rank 64 lost only the tanh's curvature,
+#: about 1e-4 of h, since ``x = E[tokens]`` spanned 32 directions (a few rows at a few times
+#: their float32 bound).  With S every row reaches a direction of its own: E's rank is
+#: ``min(V, d)``, and the rows a batch reads span 32 + (the distinct ``t % d`` of its tokens)
+#: directions (about 600 of GPT-2's 768 for 1024 uniform tokens), ``h`` as many: no rank-k
+#: shortcut below that is exact on it (``tests/test_full_rank_E.py``).
 E_RANK = 32
-#: Entries of E from which it is drawn of rank ``E_RANK`` (with ``LOW_RANK_FROM``).
+#: The share of E's variance S carries (the rest is the low-rank part's): enough that what a
+#: shortcut leaves out of S's directions is far beyond any rounding bound (a quarter of a
+#: row's spread), while the low-rank part keeps most of the logits' size.
+SPIKE_SHARE = 0.25
+#: Entries of E from which it is drawn through its factors (with ``LOW_RANK_FROM``).
 LOW_RANK_ABOVE = DRAW_SPLIT_ABOVE
-#: Rows and columns from which E is drawn of rank ``E_RANK``: the factored products then cost
+#: Rows and columns from which E is drawn through its factors: the factored products then cost
 #: at most an eighth of the dense ones (in float32; a quarter counting float64's speed).
 LOW_RANK_FROM = 8 * E_RANK
 #: Largest magnitude of a factor's entry: every partial sum of ``A @ B`` is at most
 #: ``E_RANK * 255**2`` (about 2**21) in magnitude, an integer float32 holds exactly, so E is
 #: the same matrix however a product sums it.
 _FACTOR_MAX = 255
+#: What an entry of ``A @ B + S`` may reach: float32 holds every integer up to 2**24.
+_EXACT_MAX = 2**24 - 1
 
 
 def _drawn_in_blocks(rng: np.random.Generator, shape: tuple[int, int], dt: np.dtype[Any],
@@ -253,8 +262,10 @@ def _drawn_in_blocks(rng: np.random.Generator, shape: tuple[int, int], dt: np.dt
 
 
 def e_rank(case: Case) -> int | None:
-    """The rank a case draws its E of (``E_RANK`` at production shapes), None for a dense E.
-    It depends on the shape, dtype and scale alone, never on N, so a shrunk case keeps its E."""
+    """The rank of the low-rank part of the E a case draws (``E_RANK`` at production shapes,
+    where E is that part plus one entry a row, of full rank: see :func:`_drawn_low_rank`),
+    None for a dense E.  It depends on the shape, dtype and scale alone, never on N, so a
+    shrunk case keeps its E."""
     dt = numpy_dtype(case.dtype)  # type: ignore[arg-type]
     if (case.probe and dt in (np.float32, np.float64) and case.V * case.d >= LOW_RANK_ABOVE
             and min(case.V, case.d) >= LOW_RANK_FROM
@@ -265,28 +276,39 @@ def e_rank(case: Case) -> int | None:
 
 def _drawn_low_rank(rng: np.random.Generator, shape: tuple[int, int], dt: np.dtype[Any],
                     scale: float, rank: int) -> tuple[Array, LowRank]:
-    """E of ``shape`` in ``dt``, ``s * (A @ B)`` with ``A [V, rank]`` and ``B [rank, d]``
-    uniform integers and ``s`` a power of two, so that E's spread is ``scale`` (as a dense
-    draw's), within a percent: B's entries in [-255, 255], A's range and ``s`` chosen for it.
-    The product is exact in float32 (see ``_FACTOR_MAX``), so E is the same on any BLAS and
-    any number of cores.  Each factor is drawn from its own child of the case's generator, so
-    W, b, the tokens and the targets are the ones a dense E's case draws."""
+    """E of ``shape`` in ``dt``, ``s * (A @ B + S)`` with ``A [V, rank]`` and ``B [rank, d]``
+    uniform integers, ``S`` one uniform integer a row (at column ``v % d``) and ``s`` a power of
+    two, so that E's spread is ``scale`` (as a dense draw's), within a percent: B's entries in
+    [-255, 255], A's range, S's range and ``s`` chosen for it, S carrying ``SPIKE_SHARE`` of
+    the variance.  Every entry of ``A @ B + S`` is an integer below 2**24, exact in float32, so
+    E is the same on any BLAS and any number of cores.  Each part is drawn from its own child
+    of the case's generator, so W, b, the tokens and the targets are the ones a dense E's case
+    draws (and A and B the ones a rank-32 E of an earlier version drew)."""
     V, d = shape
-    a_gen, b_gen = rng.spawn(2)
+    a_gen, b_gen, s_gen = rng.spawn(3)
     b = _FACTOR_MAX
 
     def spread(m: int) -> float:  # the standard deviation of a uniform integer in [-m, m]
         return math.sqrt(m * (m + 1) / 3)
 
-    want = scale / (math.sqrt(rank) * spread(b))  # s times A's spread
+    def fit(target: float) -> int:  # the m whose spread(m) is closest to target
+        return round((math.sqrt(1 + 12 * target ** 2) - 1) / 2)
+
+    low = scale * math.sqrt(1 - SPIKE_SHARE)  # the low-rank part's spread
+    want = low / (math.sqrt(rank) * spread(b))  # s times A's spread
     s = 2.0 ** math.ceil(math.log2(want / spread(b)))  # so that A's spread is at most B's
-    a = max(1, min(b, round((math.sqrt(1 + 12 * (want / s) ** 2) - 1) / 2)))
+    a = max(1, min(b, fit(want / s)))
+    # S's entries, one a row, spread over d entries: their spread is sqrt(share d) scale
+    k = max(1, min(_EXACT_MAX - rank * a * b, fit(scale * math.sqrt(SPIKE_SHARE * d) / s)))
     A = a_gen.integers(-a, a + 1, size=(V, rank)).astype(np.float64)
     B = b_gen.integers(-b, b + 1, size=(rank, d)).astype(np.float64)
+    spikes = s_gen.integers(-k, k + 1, size=V).astype(np.float64)
     E = memory.empty((V, d), dt)
     np.matmul(A.astype(dt), B.astype(dt), out=E)
+    rows = np.arange(V)
+    E[rows, rows % d] += spikes.astype(dt)  # exact: integers below 2**24
     E *= dt.type(s)
-    return E, LowRank(A, B, s, weakref.ref(E))
+    return E, LowRank(A, B, s, weakref.ref(E), spikes)
 
 
 def build(case: Case) -> Batch:

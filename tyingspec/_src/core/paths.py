@@ -48,11 +48,14 @@ class Parts:
 
 @dataclass(frozen=True, eq=False)
 class LowRank:
-    """``E = scale * (A @ B)``, exactly: ``A [V, r]`` and ``B [r, d]`` hold small integers
-    (float64) and ``scale`` is a power of two, so every partial sum of ``A @ B`` is an integer
-    below 2**24 and E is the same matrix in float32 and float64, whatever the order of its sums
-    (see ``core.cases.E_RANK``).  Then the reference's two V d N products go through the
-    factors: ``h @ E.T = (scale * h @ B.T) @ A.T`` and ``g @ E = scale * (g @ A) @ B``, r / d
+    """``E = scale * (A @ B + S)``, exactly: ``A [V, r]`` and ``B [r, d]`` hold small integers
+    (float64), ``S`` holds one integer a row, ``spikes[v]`` at column ``v % d`` (E is then of
+    full rank, ``min(V, d)``: the low-rank part alone left every direction outside B's r
+    unreached), and ``scale`` is a power of two, so every partial sum of ``A @ B + S`` is an
+    integer below 2**24 and E is the same matrix in float32 and float64, whatever the order of
+    its sums (see ``core.cases.E_RANK``).  Then the reference's two V d N products go through
+    the factors: ``h @ E.T = (scale * h @ B.T) @ A.T + scale * h[:, v % d] * spikes[v]`` and
+    ``g @ E = scale * (g @ A) @ B + scale * sum_q (g * spikes)[:, q d + j]``, about (r + 1) / d
     of their cost, in float64 (below any rounding the bound allows a float32 reference).
 
     ``of`` is a weak reference to the E it factors: a batch whose E was replaced (stepped,
@@ -62,45 +65,107 @@ class LowRank:
     B: Array
     scale: float
     of: weakref.ref[Any] = field(repr=False)
+    spikes: Array | None = field(default=None, repr=False)  # [V]; None: no sparse part
 
     @property
     def rank(self) -> int:
+        """The rank of the low-rank part (E itself is of full rank with its spikes)."""
         return int(self.A.shape[1])
 
     def factors(self, E: Any) -> bool:
         """Whether this is the factorization of the very array ``E``."""
         return self.of() is E
 
+    def dense(self) -> Array:
+        """E itself, in float64, from the factors (exact: see the class docstring)."""
+        E: Array = self.A @ self.B
+        if self.spikes is not None:
+            rows = np.arange(E.shape[0])
+            E[rows, rows % E.shape[1]] += self.spikes
+        E *= self.scale
+        return E
+
+    def _spike_rows(self, d: int) -> tuple[Array, Array]:
+        """``scale * spikes`` split as [q, d] (rows ``q d + j`` at column j) and the rest."""
+        assert self.spikes is not None
+        w = self.spikes * self.scale
+        q = w.shape[0] // d
+        return w[:q * d].reshape(q, d), w[q * d:]
+
+    def _add_spikes_T(self, out: Array, h: Array) -> None:
+        """``out [n, V] += h @ (scale * S).T`` in place (float64): entry (n, v) gains
+        ``h[n, v % d] * scale * spikes[v]``.  A position at a time, over a [V] temporary in
+        cache: at GPT-2 size this costs 0.05 CPU seconds for all 1024 positions, where a pass
+        over a [64, V] temporary a block at a time cost twice that."""
+        if self.spikes is None:
+            return
+        d = h.shape[1]
+        w3, rest = self._spike_rows(d)
+        whole = _split_columns(out, w3.shape[0], d)
+        buf = np.empty_like(w3)
+        for j in range(out.shape[0]):
+            np.multiply(w3, h[j], out=buf)
+            whole[j] += buf
+        if rest.size:
+            out[:, whole.shape[1] * d:] += h[:, :rest.size] * rest
+
+    def _spikes_times(self, g: Array, d: int) -> Array:
+        """``g @ (scale * S)`` ([n, d], float64): column j sums ``g[:, v] * scale *
+        spikes[v]`` over the rows ``v % d == j`` (one einsum: half the time of a loop)."""
+        w3, rest = self._spike_rows(d)
+        acc: Array = np.einsum("nqd,qd->nd", _split_columns(g, w3.shape[0], d), w3)
+        if rest.size:
+            acc[:, :rest.size] += g[:, w3.shape[0] * d:] * rest
+        return acc
+
     def times_rows_T(self, h: Array, dt: np.dtype[Any]) -> Array:
         """``h @ E.T`` ([N, V], in ``dt``, its pages in at once), computed in float64 a block
         of positions at a time, each block rounded once to ``dt``."""
-        hb = (np.asarray(h, dtype=np.float64) @ self.B.T) * self.scale  # [N, r]
+        h64 = np.asarray(h, dtype=np.float64)
+        hb = (h64 @ self.B.T) * self.scale  # [N, r]
         n, V = hb.shape[0], self.A.shape[0]
         out = memory.empty((n, V), dt)
         if out.dtype == np.float64:
-            return np.matmul(hb, self.A.T, out=out)
+            np.matmul(hb, self.A.T, out=out)
+            for s in range(0, n, _LOW_RANK_ROWS):
+                e = min(s + _LOW_RANK_ROWS, n)
+                self._add_spikes_T(out[s:e], h64[s:e])
+            return out
         tmp = np.empty((min(n, _LOW_RANK_ROWS), V))
         for s in range(0, n, _LOW_RANK_ROWS):
             e = min(s + _LOW_RANK_ROWS, n)
             np.matmul(hb[s:e], self.A.T, out=tmp[:e - s])
+            self._add_spikes_T(tmp[:e - s], h64[s:e])
             out[s:e] = tmp[:e - s]
         return out
 
     def times(self, g: Array) -> Array:
         """``g @ E`` ([N, d] in g's dtype), computed in float64: ``g`` a block of positions at a
-        time, then ``scale * (g @ A) @ B``."""
+        time, then ``scale * (g @ A) @ B`` plus the spikes' part."""
         n, V = g.shape
+        d = self.B.shape[1]
         gA = np.empty((n, self.A.shape[1]))
-        if g.dtype == np.float64:
-            np.matmul(g, self.A, out=gA)
-        else:
-            tmp = np.empty((min(n, _LOW_RANK_ROWS), V))
-            for s in range(0, n, _LOW_RANK_ROWS):
-                e = min(s + _LOW_RANK_ROWS, n)
-                np.copyto(tmp[:e - s], g[s:e])
-                np.matmul(tmp[:e - s], self.A, out=gA[s:e])
-        out: Array = ((gA @ self.B) * self.scale).astype(g.dtype, copy=False)
+        gS = np.zeros((n, d))
+        tmp = g if g.dtype == np.float64 else np.empty((min(n, _LOW_RANK_ROWS), V))
+        for s in range(0, n, _LOW_RANK_ROWS):
+            e = min(s + _LOW_RANK_ROWS, n)
+            block = g[s:e]
+            if tmp is not g:
+                np.copyto(tmp[:e - s], block)
+                block = tmp[:e - s]
+            np.matmul(block, self.A, out=gA[s:e])
+            if self.spikes is not None:
+                gS[s:e] = self._spikes_times(block, d)
+        out: Array = ((gA @ self.B) * self.scale + gS).astype(g.dtype, copy=False)
         return out
+
+
+def _split_columns(a: Array, q: int, d: int) -> Array:
+    """The first ``q d`` columns of ``a [n, V]`` as ``[n, q, d]``: a view, so that writing to it
+    writes to ``a``."""
+    view = a[:, :q * d].reshape(a.shape[0], q, d)
+    assert view.size == 0 or np.may_share_memory(view, a), "not a view"
+    return view
 
 
 #: Positions per block of a :class:`LowRank` product in float64: a 26 MB temporary at a

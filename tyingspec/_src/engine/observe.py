@@ -12,7 +12,9 @@ One observation:
 2. hand the kind's inputs to the adapter (copies) and validate what it returned;
 3. build the float64 reference for those inputs (sympy on small shapes, closed form beyond),
    at large shapes while a worker runs the call (see :class:`_Building`);
-4. decide the precision it is judged at (declared, or the least precise float it returned);
+4. decide the precision it is judged at (declared, or the least precise float it computed in:
+   its dtype, or the coarser grid every value it returned lies on; see
+   :func:`judged_precision`);
 5. judge: the loss first (a different forward cannot be judged against this reference), then
    every row of dE against its rounding bound (at production sizes the rows of absent tokens
    through projections, see ``core.paths.Sketch``), then dW and db; a verdict that
@@ -45,9 +47,11 @@ from tyingspec._src.core.findings import Finding
 from tyingspec._src.core.paths import Paths, closed_form_paths
 from tyingspec._src.core.tolerance import (
     LOWER,
+    UNIT_ROUNDOFF,
     Precision,
     Terms,
     Tolerance,
+    computed_in,
     least_precise,
     row_tolerance,
     value_tolerance,
@@ -299,11 +303,31 @@ def _judged(target: Target, batch: Batch, inputs: dict[str, Any], precision: Pre
 
 
 def precision_for(target: Target, *returned: Returned) -> Precision:
-    """The precision a comparison is judged at: the declared one, else the least precise float
-    the adapter returned."""
+    """The precision a comparison is judged at: the declared one, else the least precise one
+    the adapter computed in (see :func:`judged_precision`)."""
+    return judged_precision(target, *returned)[0]
+
+
+def judged_precision(target: Target, *returned: Returned) -> tuple[Precision, str]:
+    """The precision a comparison is judged at, and why, when that is not the dtype the
+    adapter returned ("" otherwise).  The declared one (``--precision``), else the least
+    precise of what each returned array was computed in: its dtype, or the coarser grid every
+    one of its values lies on (``core.tolerance.computed_in``).  One rule for every kind: a
+    correct adapter that computes in float32 and returns float64 (a Triton kernel's float32
+    accumulators, a model's ``.double()`` at the end) is within the float32 bound, not the
+    float64 one, and was judged ``precision_limited`` (exit 1) at float64."""
     if target.precision != "auto":
-        return target.precision
-    return least_precise(*[r.precision for r in returned])
+        return target.precision, ""
+    returned_as = least_precise(*[r.precision for r in returned])
+    grids = [(grid, str(a.dtype)) for r in returned
+             for a in (r.dE, r.dW, r.db) if a is not None and a.size
+             and (grid := computed_in(np.asarray(a))) is not None]
+    if not grids:
+        return returned_as, ""
+    grid, dtype = max(grids, key=lambda g: UNIT_ROUNDOFF[g[0]])
+    if UNIT_ROUNDOFF[grid] <= UNIT_ROUNDOFF[returned_as]:
+        return returned_as, ""
+    return grid, f"every value it returned is a {grid}, though its dtype is {dtype}"
 
 
 def row_bound(paths: Paths, precision: Precision) -> Tolerance:
@@ -490,7 +514,11 @@ def shaped(target: Target, cases: list[Case]) -> tuple[list[Case], list[str]]:
     if target.table.unfit is not None:
         unfit = [(c.name, why) for c in cases if (why := runnable(target, c)) is not None]
         cases = [c for c in cases if runnable(target, c) is None]
-        return cases, [f"left out {name}: {why}" for name, why in unfit]
+        notes = [f"left out {name}: {why}" for name, why in unfit]
+        if target.table.shape_cases is None:
+            return cases, notes
+        cases, more = target.table.shape_cases(target.spec, described(target), cases)
+        return cases, notes + more
     if target.table.shape_cases is not None:
         return target.table.shape_cases(target.spec, described(target), cases)
     shape = shape_of(target)
@@ -539,6 +567,9 @@ class Observation:
     diagnosis: Diagnosis
     stage: Stage = FIRST_CALL
     inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # what the target got
+    # why ``precision`` is not the dtype the target returned ("" when it is): see
+    # :func:`judged_precision`
+    precision_note: str = ""
 
     @property
     def status(self) -> Status:
@@ -613,10 +644,10 @@ def _first_judged(target: Target, case: Case, batch: Batch, inputs: dict[str, An
     found wrong is remembered on the target (see :func:`_observe_ahead`)."""
     if isinstance(paths, _Building):
         paths = paths.result()
-    precision = precision_for(target, returned)
+    precision, why = judged_precision(target, returned)
     returned, paths = _judged(target, batch, inputs, precision, returned, paths)
     obs = Observation(case, batch, returned, paths, precision,
-                      judge(returned, paths, precision), inputs=inputs)
+                      judge(returned, paths, precision), inputs=inputs, precision_note=why)
     if obs.diagnosis.wrong:
         target._wrong_first.append(case)
     return obs
@@ -804,13 +835,13 @@ def _second_judged(target: Target, first: Observation, batch: Batch, lr: float,
                    inputs: dict[str, Any], returned: Returned) -> Observation:
     """Step 6's call judged: a repeat against the first call's reference where it still fits,
     a call after the step against its own, and what a wrong one means named."""
-    precision = precision_for(target, returned)
+    precision, why = judged_precision(target, returned)
     fits = batch is first.batch and precision == first.precision
     returned, paths = _judged(target, batch, inputs, precision, returned,
                               first.paths if fits else None)
     second = _remember(target, Observation(first.case, batch, returned, paths, precision,
                                            judge(returned, paths, precision), AFTER_STEP,
-                                           inputs))
+                                           inputs, why))
     if not second.diagnosis.wrong:
         return first
     if lr and second.label not in ("gradient_not_zeroed", "inputs_mutated"):

@@ -77,7 +77,8 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
 
 def assert_correct(target: str, kind: str | None = None, **options: object) -> CheckReport:
     """:func:`check`, then raise :class:`~tyingspec.CheckFailed` (an ``AssertionError``)
-    whose message is the rendered diagnosis unless every case was correct."""
+    whose message is the rendered diagnosis unless every case was correct; its subclass
+    :class:`~tyingspec.NoPower` when no case had the power to decide."""
     report = check(target, kind, **options)  # type: ignore[arg-type]
     report.raise_for_failure()
     return report

@@ -42,6 +42,24 @@ FAILING = frozenset({FAILED, ADAPTER_ERROR, ERROR})
 CHECK_STATUS = {"correct": PASSED, "wrong": FAILED, "adapter_error": ADAPTER_ERROR,
                 "no_power": NO_POWER}
 
+#: The exit status of a run in which no case (``tyingspec check``) or no property (the pytest
+#: plugin) had the power to decide: a correct gradient judged where no check could have told
+#: it from a broken one (a float32 model at ``--precision bfloat16``).  Neither 0 (correct) nor
+#: 1 (a wrong gradient, and nothing else), 2 (a usage or adapter error) or 130 (interrupted);
+#: 6 and not 3, past pytest's own 0-5 (3 is its internal error), so that the plugin's run
+#: exits with the same status as the command.
+EXIT_NO_POWER = 6
+#: ``tyingspec check``'s exit status for each verdict of a run.
+EXIT_STATUS = {"correct": 0, "wrong": 1, "adapter_error": 2, "no_power": EXIT_NO_POWER}
+
+
+def no_power_text(unit: str) -> str:
+    """What a run in which no ``unit`` (case, property) had the power to decide says."""
+    return (f"no {unit} had the power to decide (exit {EXIT_NO_POWER}): a gradient with a "
+            f"path dropped would have passed every {unit} too, so this is neither a pass nor a "
+            "wrong gradient; check at a precision whose rounding bound is below a path (a "
+            "float32 build, --precision float32) or on larger batches")
+
 
 #: What each invariant code of the property suite means (the bug catalogue's names), for the
 #: legend a summary prints under the codes it uses.  A test keeps it in step with every code a
@@ -316,8 +334,8 @@ def apply_check_baseline(report: CheckReport, path: str, update: bool,
     ci = in_ci() if ci is None else ci
     if report.load_error and (update or not os.path.exists(path)):
         what = "updated" if update else "recorded"
-        return max(report.exit_code, 2), [(f"tyingspec: baseline {path} not {what}: the target "
-                                          "cannot be loaded, so there are no verdicts to record")]
+        return 2, [(f"tyingspec: baseline {path} not {what}: the target cannot be loaded, so "
+                    "there are no verdicts to record")]
     try:
         before = None if update else load(path, "case")
     except BaselineError as exc:
@@ -330,12 +348,12 @@ def apply_check_baseline(report: CheckReport, path: str, update: bool,
     except OSError as exc:
         return 2, [f"tyingspec: baseline {path} cannot be written ({type(exc).__name__}: {exc})"]
     if result.action == "missing":  # like an unreadable baseline: the gate could not run
-        return max(report.exit_code, 2), result.lines("--update-baseline")
-    code = max(report.exit_code, 1) if result.failed else report.exit_code
+        return 2, result.lines("--update-baseline")
+    # a regression is a case that passed and fails now (1), unless an adapter error says 2
+    code = (2 if report.exit_code == 2 else 1) if result.failed else report.exit_code
     return code, result.lines("--update-baseline")
 
 
-__all__ = ["INVARIANTS", "Baseline", "BaselineError", "Change", "GateResult",
-           "apply_check_baseline", "check_verdicts", "compare", "gate", "in_ci", "legend", "load",
-           "save", "summary_markdown"]
-
+__all__ = ["EXIT_NO_POWER", "EXIT_STATUS", "INVARIANTS", "Baseline", "BaselineError", "Change",
+           "GateResult", "apply_check_baseline", "check_verdicts", "compare", "gate", "in_ci",
+           "legend", "load", "no_power_text", "save", "summary_markdown"]

@@ -27,6 +27,7 @@ from tyingspec._src.engine.observe import (
     shaped,
 )
 from tyingspec._src.engine.warm import WarmTargets
+from tyingspec._src.front.baseline import EXIT_STATUS, no_power_text
 
 #: The target a linear-ce kernel ignores (Liger's and torch's default ignore_index).
 IGNORE_INDEX = -100
@@ -45,6 +46,7 @@ class CaseResult:
     replay: str = ""
     stage: Stage = FIRST_CALL  # which call the diagnosis is of (models are called twice)
     precision: str | None = None  # what it was judged at
+    precision_note: str = ""  # why, when not the dtype it returned (see observe.judged_precision)
     shrink_note: str = ""  # why shrinking stopped early, if it did
 
     def as_dict(self) -> dict[str, Any]:
@@ -203,7 +205,7 @@ def result_of(target: Target, obs: Observation, base_seed: int) -> CaseResult:
     return CaseResult(obs.case, obs.status, diagnosis=obs.diagnosis,
                       mutated=obs.returned.mutated, stage=obs.stage,
                       replay=replay_command(target, base_seed, obs.case),
-                      precision=obs.precision)
+                      precision=obs.precision, precision_note=obs.precision_note)
 
 
 def run_case(target: Target, case: Case, base_seed: int, *, do_shrink: bool = True,
@@ -271,7 +273,9 @@ class CheckReport:
 
     @property
     def exit_code(self) -> int:
-        return {"correct": 0, "no_power": 1, "wrong": 1, "adapter_error": 2}[self.verdict]
+        """0 correct, 1 a wrong gradient (and nothing else), 2 a usage or adapter error, and
+        ``EXIT_NO_POWER`` (6) when no case had the power to decide (see ``front.baseline``)."""
+        return EXIT_STATUS[self.verdict]
 
     @property
     def ok(self) -> bool:
@@ -296,7 +300,11 @@ class CheckReport:
 
     def raise_for_failure(self) -> None:
         """Raise :class:`CheckFailed` (an ``AssertionError``, so pytest shows it as a test
-        failure) whose message is :attr:`diagnosis`, unless the report is :attr:`ok`."""
+        failure) whose message is :attr:`diagnosis`, unless the report is :attr:`ok`; for a run
+        in which no case had the power to decide (``verdict == "no_power"``), its subclass
+        :class:`NoPower`."""
+        if self.verdict == "no_power":
+            raise NoPower(self)
         if not self.ok:
             raise CheckFailed(self)
 
@@ -313,9 +321,19 @@ class CheckFailed(AssertionError):
     """A check that did not pass: the message is the rendered diagnosis; ``report`` holds
     every case."""
 
-    def __init__(self, report: CheckReport) -> None:
-        super().__init__(report.diagnosis)
+    def __init__(self, report: CheckReport, message: str | None = None) -> None:
+        super().__init__(report.diagnosis if message is None else message)
         self.report = report
+
+
+class NoPower(CheckFailed):
+    """A check in which no case had the power to decide (``verdict == "no_power"``): not a
+    wrong gradient, and not a pass either (the command exits ``EXIT_NO_POWER``, 6).  The
+    message says so first, then the rendered diagnosis; catch it before :class:`CheckFailed`
+    to tell the two apart."""
+
+    def __init__(self, report: CheckReport) -> None:
+        super().__init__(report, f"{no_power_text('case')}\n{report.diagnosis}")
 
 
 def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = None, *,

@@ -127,8 +127,7 @@ def flagged(spec: KindSpec, cases: list[Case], **flags: str | None) -> list[Case
     takes = dict(spec.flags)
     for key, value in given.items():
         if key not in takes:
-            raise ValueError(f"--{key} applies to a kind that runs its own model "
-                             f"(--kind torch), not --kind {spec.name}")
+            raise ValueError(f"--{key} does not apply to --kind {spec.name}")
         if value not in takes[key]:
             raise ValueError(f"--{key} {value}: expected one of {', '.join(takes[key])}")
         cases = [c.with_setting(key, value) for c in cases]
@@ -142,6 +141,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     its worker."""
     parser = argparse.ArgumentParser(
         prog="tyingspec", description="Verify tied-embedding gradients: which path, which rows.")
+    from tyingspec import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command")
     _add_check(sub)
     for name, help_, description, configure in _COMMANDS:
@@ -192,8 +194,9 @@ def _require_extras(target: str, kind: str, precision: str) -> None:
     naming the ``pip install``).  What is imported deeper down is caught in :func:`main`."""
     from tyingspec._src.core.extras import require
 
-    if kind == "torch":
-        require("torch", "--kind torch")
+    if kind == "torch":  # a transformers model without torch: name both extras' install at once
+        require("torch", "--kind torch", lambda: _target_imports(target, kind),
+                target if ":" in target else f"the built-in {target}")
     if precision == "bfloat16":
         require("ml_dtypes", "--precision bfloat16")
     if kind == "linear-ce" and ":" not in target:
@@ -202,6 +205,15 @@ def _require_extras(target: str, kind: str, precision: str) -> None:
         builtin = LINEAR_CE_BUILTINS.get(target)
         if builtin is not None and builtin.form == "torch":
             require("torch", f"the built-in {target} (a torch module)")
+
+
+def _target_imports(target: str, kind: str) -> frozenset[str]:
+    """The modules ``target`` imports, read from its source (a built-in's from its factory)."""
+    from tyingspec._src.core.extras import target_imports
+    from tyingspec._src.kinds.table import kind_spec
+
+    impl = None if ":" in target else kind_spec(kind).builtins().get(target)
+    return target_imports(target, target_paths(), impl and impl.adapter(kind))
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -49,6 +49,9 @@ PRECISIONS = ("auto", "float64", "float32", "bfloat16", "float16")
 PROP_NAME, PROP_INVARIANT, PROP_VERDICT, PROP_DIAGNOSIS, PROP_DETAIL = (
     "tyingspec_property", "tyingspec_invariant", "tyingspec_verdict", "tyingspec_diagnosis",
     "tyingspec_detail")
+#: A property's verdict when no example it drew had the power to decide (``front.baseline``'s
+#: NO_POWER: the baseline records it as such).
+NO_POWER = "no_power"
 
 
 
@@ -330,15 +333,30 @@ class _Suite:
                                   call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
         ours = isinstance(item.parent, _SuiteModule)
         exc = call.excinfo.value if call.excinfo is not None else None
+        said: dict[str, str] = {}
         if ours and (call.when == "call" or exc is not None):
-            item.user_properties.extend(self._properties(item, exc))
+            props = self._properties(item, exc)
+            said = dict(props)
+            item.user_properties.extend(props)
         if ours:
             # Hypothesis would write a patch adding @example(...) to the failing test's source:
             # here that is tyingspec's installed suite.py, not the user's code.  The replay
             # line below carries the same example.
             item.__dict__.pop("_hypothesis_failing_examples", None)
         report: pytest.TestReport = yield
-        if ours and report.failed and exc is not None:
+        verdict = said.get(PROP_VERDICT)
+        if exc is not None and call.when == "call" and verdict in (NO_POWER, "passed"):
+            # Hypothesis stopped drawing because the examples were discarded (see
+            # _gave_up): never a failure, which would read as a wrong gradient.  No example
+            # decided: no power, a skip that says so; some decided, and passed: a pass.
+            if verdict == NO_POWER:
+                path, line, _ = item.location
+                report.outcome = "skipped"
+                report.longrepr = (path, (line or 0) + 1,
+                                   f"tyingspec: no power: {said[PROP_DETAIL]}")
+            else:
+                report.outcome, report.longrepr = "passed", None
+        elif ours and report.failed and exc is not None:
             longrepr = self._longrepr(item, exc)
             if longrepr is not None:
                 report.longrepr = longrepr
@@ -357,8 +375,21 @@ class _Suite:
         name = self._property(item)
         prop = PROPERTIES.get(name)
         detail = ""
+        gave_up = _gave_up(item, name, exc)
         if exc is None:
             verdict, diagnosis = "passed", ""
+        elif gave_up is not None:
+            decided, discarded = gave_up
+            if decided:
+                verdict, diagnosis = "passed", ""
+                detail = (f"{decided} examples had the power to decide, and passed; Hypothesis "
+                          f"stopped drawing after {discarded} were discarded")
+            else:
+                verdict, diagnosis = NO_POWER, ("no example had the power to decide: a "
+                                                "gradient with a path dropped would pass here "
+                                                "too")
+                detail = (f"all {discarded} examples drawn were discarded, none decided "
+                          f"({type(exc).__name__})")
         elif isinstance(exc, PropertyFailure):
             verdict = exc.label
             if exc.diagnosis is not None:
@@ -445,6 +476,25 @@ class _Suite:
         return _exception_repr(lines, *self._crash_location(item), crash)
 
 
+def _gave_up(item: pytest.Item, name: str, exc: BaseException | None
+             ) -> tuple[int, int] | None:
+    """(examples decided, examples discarded) of a property whose Hypothesis run ended for its
+    discards: ``FailedHealthCheck`` (filter_too_much: 50 discarded before 10 decided) or
+    ``Unsatisfiable`` (none decided at all), with examples discarded (no power, or nothing to
+    check: see ``front.suite.EXAMPLES_ATTR``); None for any other outcome."""
+    from hypothesis.errors import FailedHealthCheck, Unsatisfiable
+
+    from tyingspec._src.front.suite import EXAMPLES_ATTR
+
+    if not isinstance(exc, (FailedHealthCheck, Unsatisfiable)):
+        return None
+    module = item.getparent(pytest.Module)
+    tally = getattr(getattr(module, "obj", None), EXAMPLES_ATTR, {}).get(name)
+    if not tally or not tally["discarded"]:
+        return None
+    return tally["decided"], tally["discarded"]
+
+
 def _duplicate(item: pytest.Item, note: str) -> bool:
     """A Hypothesis note the report above already says: its print of this test's call (the
     falsifying example: the case, whose batch and replay line tyingspec printed) or its
@@ -481,7 +531,7 @@ class _Verdict:
 
     def short(self) -> str:
         if self.status == "passed":
-            return ""
+            return self.detail  # a pass on fewer examples than asked says so (see _gave_up)
         if self.label in ("adapter_error", "error", "property_violated", "skipped"):
             return self.diagnosis
         return self.label + (f" ({self.detail})" if self.detail else "")
@@ -623,12 +673,29 @@ class _Controller:
     def _run_verdict(self) -> str:
         """``wrong (label)`` when properties failed on the gradient: the label their examples'
         rows explain, named by the rule ``tyingspec check`` names its run by (so the two front
-        ends name one bug alike); "" otherwise."""
+        ends name one bug alike); ``no_power`` when no property had the power to decide (see
+        :meth:`_no_power`); "" otherwise."""
         from tyingspec._src.core.diagnosis import LABELS, run_label
 
         labels = [v.label for _, v in sorted(self.verdicts.items())
                   if v.status == "failed" and v.label in LABELS]
-        return f"wrong ({run_label(labels)})" if labels else ""
+        if labels:
+            return f"wrong ({run_label(labels)})"
+        return NO_POWER if self._no_power() else ""
+
+    def _no_power(self) -> bool:
+        """Whether no property had the power to decide: some had none, and none passed,
+        failed or errored (what ``tyingspec check`` calls a run of no_power cases)."""
+        statuses = {v.status for v in self.verdicts.values()}
+        return NO_POWER in statuses and statuses <= {NO_POWER, "skipped"}
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        # A run that would otherwise exit 0 exits as `tyingspec check` does when no case had
+        # the power to decide: neither a pass (0) nor a wrong gradient (1).
+        if session.exitstatus == 0 and self._no_power() and self.opts.replay is None:
+            from tyingspec._src.front.baseline import EXIT_NO_POWER
+
+            session.exitstatus = EXIT_NO_POWER
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         tr = terminalreporter
@@ -644,7 +711,11 @@ class _Controller:
                     red=v.status in ("failed", "adapter_error", "error"),
                     green=v.status == "passed")
         verdict = self._run_verdict()
-        if verdict:
+        if verdict == NO_POWER:
+            from tyingspec._src.front.baseline import no_power_text
+
+            tr.line(f"verdict: {verdict}: {no_power_text('property')}", yellow=True, bold=True)
+        elif verdict:
             tr.line(f"verdict: {verdict}", red=True, bold=True)
         from tyingspec._src.front.baseline import legend
 
@@ -669,6 +740,8 @@ def _status(report: pytest.TestReport, label: str) -> str | None:
     if report.when == "call":
         if report.passed or (report.failed and label == "passed"):  # xpass (strict or not)
             return "passed"
+        if report.skipped and label == NO_POWER:
+            return NO_POWER
         if report.skipped:
             return "failed" if xfail else "skipped"  # an xfail hides a failing property
         return {"adapter_error": "adapter_error", "error": "error"}.get(label, "failed")

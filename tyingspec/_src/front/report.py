@@ -45,12 +45,16 @@ def render_case(r: CaseResult, *, structural: bool = True) -> list[str]:
     if r.error:
         lines.append(f"  error: {r.error}")
     d = r.diagnosis
+    # why the precision is not the dtype the target returned: said once, where the precision is
+    why = f" ({r.precision_note})" if r.precision_note else ""
     if d is not None and r.status != "correct":
         lines += diagnosis_lines(d, stage=r.stage, mutated=r.mutated)
+        if why:
+            lines.append(f"  judged at {d.precision}: {r.precision_note}")
     elif d is not None:
         lines.append(f"  {ROWS_UNOBSERVED}" if not d.rows_compared else
-                     f"  {power_text(d)}; judged at {d.precision}, worst row {d.margin:.3g}x "
-                     f"its rounding bound{projected_text(d)}")
+                     f"  {power_text(d)}; judged at {d.precision}{why}, worst row "
+                     f"{d.margin:.3g}x its rounding bound{projected_text(d)}")
         lines += finding_lines(d, structural=structural)
     if r.shrunk is not None:
         lines.append(f"  smallest failing batch: tokens={list(r.shrunk.tokens or ())} "
@@ -75,8 +79,13 @@ def render_verdict(report: CheckReport) -> str:
               for s in ("correct", "wrong", "no_power", "adapter_error")}
     label = report.diagnosis_label
     tally = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items() if v)
-    return (f"verdict: {report.verdict}" + (f" ({label})" if label != report.verdict else "")
+    line = (f"verdict: {report.verdict}" + (f" ({label})" if label != report.verdict else "")
             + (f"; cases: {tally}" if tally else ""))
+    if report.verdict == "no_power":  # exit 6: said here, where a CI log is read first
+        from tyingspec._src.front.baseline import no_power_text
+
+        line += f"; {no_power_text('case')}"
+    return line
 
 
 def render(report: CheckReport) -> str:

@@ -45,6 +45,11 @@ PROFILES: dict[str, dict[str, Any]] = {
 #: Attribute on an AdapterError or PropertyFailure naming the case Hypothesis drew for it (read
 #: by the plugin's report: the replay line replays that case, the property builds the rest).
 CASE_ATTR = "tyingspec_case"
+#: Attribute of the built module: per property, how many examples ran to a verdict
+#: (``decided``) and how many were discarded as no evidence (``discarded``: no power, or
+#: nothing to check).  The plugin reads it when Hypothesis ends a run for its discards: with
+#: none decided, the property had no power (never a failure, which means a wrong gradient).
+EXAMPLES_ATTR = "tyingspec_examples"
 
 
 def profile_settings(profile: str, max_examples: int | None = None, *,
@@ -84,7 +89,10 @@ def property_names(kind: str) -> list[str]:
     return sorted(kind_spec(kind).properties)
 
 
-def _make_test(prop: Property, chosen: settings, replay: Case | None) -> Callable[..., None]:
+def _make_test(prop: Property, chosen: settings, replay: Case | None,
+               tally: dict[str, int]) -> Callable[..., None]:
+    from hypothesis.errors import UnsatisfiedAssumption
+
     from tyingspec._src.core.adapters import AdapterError
     from tyingspec.properties import PropertyFailure, label_locked
 
@@ -93,9 +101,13 @@ def _make_test(prop: Property, chosen: settings, replay: Case | None) -> Callabl
     def test_property(tyingspec_target: Target, case: Case) -> None:
         try:
             check(tyingspec_target, case)
+        except UnsatisfiedAssumption:
+            tally["discarded"] += 1
+            raise
         except (AdapterError, PropertyFailure) as exc:
             setattr(exc, CASE_ATTR, case)
             raise
+        tally["decided"] += 1
 
     test_property.__name__ = test_property.__qualname__ = f"test_{prop.name}"
     test_property.__doc__ = f"[{prop.invariant}] {prop.doc}"
@@ -141,8 +153,12 @@ def build_module(spec: str, kind: str, profile: str, max_examples: int | None = 
 
         chosen = settings(chosen, phases=[p for p in chosen.phases if p is not Phase.shrink])
     names = [replay[0]] if replay is not None else property_names(kind)
+    examples: dict[str, dict[str, int]] = {}
+    setattr(module, EXAMPLES_ATTR, examples)
     for name in names:
-        test = _make_test(PROPERTIES[name], chosen, replay[1] if replay is not None else None)
+        tally = examples[name] = {"decided": 0, "discarded": 0}
+        test = _make_test(PROPERTIES[name], chosen, replay[1] if replay is not None else None,
+                          tally)
         setattr(module, f"test_{name}", test)
     return module
 
