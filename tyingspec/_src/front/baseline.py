@@ -46,9 +46,11 @@ CHECK_STATUS = {"correct": PASSED, "wrong": FAILED, "adapter_error": ADAPTER_ERR
 #: plugin) had the power to decide: a correct gradient judged where no check could have told
 #: it from a broken one (a float32 model at ``--precision bfloat16``).  Neither 0 (correct) nor
 #: 1 (a wrong gradient, and nothing else), 2 (a usage or adapter error) or 130 (interrupted);
-#: 6 and not 3, past pytest's own 0-5 (3 is its internal error), so that the plugin's run
-#: exits with the same status as the command.
-EXIT_NO_POWER = 6
+#: 77, automake's and meson's status for a test that could not decide (a harness shows it as
+#: neither pass nor fail), so that the plugin's run exits with the same status as the command:
+#: pytest's own statuses grow from 0 upward (9.2 added 6, ``MAX_WARNINGS_ERROR``, which an
+#: earlier choice of 6 collided with) and the shell's start at 126.
+EXIT_NO_POWER = 77
 #: ``tyingspec check``'s exit status for each verdict of a run.
 EXIT_STATUS = {"correct": 0, "wrong": 1, "adapter_error": 2, "no_power": EXIT_NO_POWER}
 

@@ -274,7 +274,7 @@ class CheckReport:
     @property
     def exit_code(self) -> int:
         """0 correct, 1 a wrong gradient (and nothing else), 2 a usage or adapter error, and
-        ``EXIT_NO_POWER`` (6) when no case had the power to decide (see ``front.baseline``)."""
+        ``EXIT_NO_POWER`` (77) when no case had the power to decide (see ``front.baseline``)."""
         return EXIT_STATUS[self.verdict]
 
     @property
@@ -328,7 +328,7 @@ class CheckFailed(AssertionError):
 
 class NoPower(CheckFailed):
     """A check in which no case had the power to decide (``verdict == "no_power"``): not a
-    wrong gradient, and not a pass either (the command exits ``EXIT_NO_POWER``, 6).  The
+    wrong gradient, and not a pass either (the command exits ``EXIT_NO_POWER``, 77).  The
     message says so first, then the rendered diagnosis; catch it before :class:`CheckFailed`
     to tell the two apart."""
 

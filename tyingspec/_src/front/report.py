@@ -81,7 +81,7 @@ def render_verdict(report: CheckReport) -> str:
     tally = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items() if v)
     line = (f"verdict: {report.verdict}" + (f" ({label})" if label != report.verdict else "")
             + (f"; cases: {tally}" if tally else ""))
-    if report.verdict == "no_power":  # exit 6: said here, where a CI log is read first
+    if report.verdict == "no_power":  # exit 77: said here, where a CI log is read first
         from tyingspec._src.front.baseline import no_power_text
 
         line += f"; {no_power_text('case')}"
