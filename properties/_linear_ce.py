@@ -81,6 +81,9 @@ def ce_kernel_outputs(target: Target, case: Case) -> None:
     tokens counted or not zeroed, grad_output broadcast) or by the output that is wrong."""
     o = _observed(target, case)
     f = next((f for f in o.diagnosis.findings if f.failed), None)
+    if f is not None and f.label == "no_power":
+        # a low-precision draw whose bound a known bug's error fits in: no evidence either way
+        discard(f"{f.check}: {f.detail}")
     if f is not None:
         raise PropertyFailure("ce_kernel_outputs", f"{f.check}: {f.invariant} does not hold",
                               o.case, diagnosis=o.diagnosis)

@@ -138,8 +138,14 @@ def test_real_style_kernels_pass_every_case_they_can_run(cls: type[nn.Module]) -
     got = statuses(results)
     # every target ignored: NaN (transformers, torchtune) or 0 (litgpt), both the convention
     assert got.pop("ce-all-ignored") == "no_power"
-    assert set(got.values()) == {"correct"}, [(r.case.name, r.error or headline(r))
-                                              for r in results if r.status != "correct"]
+    # a low-precision case may be blind to a known bug (its error inside the bound): it says
+    # so (no_power, naming the bug), and the same option's float64 case has the power
+    low = {r.case.name for r in results if r.case.dtype in ("bfloat16", "float16")}
+    assert {s for n, s in got.items() if n not in low} == {"correct"}, [
+        (r.case.name, r.error or headline(r)) for r in results if r.status != "correct"]
+    assert {got[n] for n in low} <= {"correct", "no_power"}
+    assert all("cannot tell them from a correct kernel" in headline(r) for r in results
+               if r.case.name in low and r.status == "no_power")
     # the long batch, the bfloat16 one and a drawn ignore_index ran; what needs an option
     # the class does not declare (a bias, a logit scale, a sum) was left out and said to be
     assert {"ce-long", "ce-bfloat16", "ce-ignore-index", "ce-plain"} <= set(got)

@@ -401,6 +401,10 @@ SHAPE_CASES = ("n-greater-than-v", "v-equals-1", "v-equals-d")
 #: (torch) leaves them out too.
 PROBE_CASES = ("res-zero", "s-in-not-1", "no-bias")
 
+#: Cases whose point is their length (a linear-ce kernel's dE past two of its blocks):
+#: ``--shape`` gives them its V and d and keeps their N.
+LENGTH_CASES = ("ce-long",)
+
 
 def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], list[str]]:
     """The cases at a user's shape, each keeping its composition; the names left out (those
@@ -411,8 +415,9 @@ def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], lis
         if c.name in SHAPE_CASES or (c.composition == "distinct" and N > V):
             left_out.append(c.name)
             continue
-        kept.append(replace(c, V=V, d=d, N=N, tokens=None, targets=None,
-                            e_scale=SHAPE_E_SCALE, given_shape=True))
+        n = c.N if c.name in LENGTH_CASES else N
+        kept.append(replace(c, V=V, d=d, N=n, tokens=None, targets=None,
+                            e_scale=ce_e_scale(c, d) or SHAPE_E_SCALE, given_shape=True))
     return kept, left_out
 
 
@@ -701,6 +706,16 @@ def ce_options(text: str) -> dict[str, str]:
             raise ValueError(f"linear-ce option {part!r}: expected key=value")
         out[key] = value
     return out
+
+
+def ce_e_scale(case: Case, d: int) -> float | None:
+    """E's scale for a linear-ce case at width ``d`` that keeps the logits' spread the case
+    is drawn for (its ``logits=`` part: ``h ~ E[token]``, so the largest logits are about
+    ``d * e_scale**2``), or None for a case that names none.  ``--shape`` keeps each case's
+    power this way: at GPT-2's 0.02 a case drawn for logits near 1e4 (where a naive ``exp``
+    overflows) or for a softcap's curved part would have logits near 0."""
+    logits = ce_options(case.ce).get("logits")
+    return None if logits is None else math.sqrt(float(logits) / max(d, 1))
 
 
 def drawn_ignore_index(case: Case) -> int:

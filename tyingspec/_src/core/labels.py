@@ -19,6 +19,7 @@ Label = Literal["correct", "no_power", "forward_mismatch", "precision_limited",
                 "label_smoothing_misweighted", "z_loss_missing", "ignored_counted_in_mean",
                 "ignored_not_zeroed", "grad_output_broadcast", "dE_wrong_dh_right",
                 "dh_wrong_dE_right", "bias_gradient_wrong", "not_finite",
+                "padded_lanes_in_lse", "option_ignored",
                 "replica_not_synced", "replica_synced_early", "replica_partial_shards",
                 "replicas_averaged", "replicas_diverge", "unknown"]
 
@@ -89,6 +90,11 @@ LABELS: dict[Label, str] = {
     "bias_gradient_wrong": "the bias gradient db is wrong while dh and dE are right",
     "not_finite": "not finite: the kernel returned inf or NaN where the reference is finite "
                   "(the report names the outputs and entries)",
+    "padded_lanes_in_lse": "padded vocabulary lanes in the logsumexp: lanes past V in the "
+                           "kernel's last block (masked with -inf, then softcapped to "
+                           "-softcap, or loaded as 0) enter every token's logsumexp",
+    "option_ignored": "option accepted and ignored: the kernel takes the option, but its loss "
+                      "and gradients are the option-off ones",
     "replica_not_synced": "copies not synced: a rank's copy of the tied matrix holds only its "
                           "own stage's path (the first stage the input path, the last the "
                           "output path); the embedding group's all-reduce never summed them",

@@ -762,6 +762,8 @@ def _load_and_answer(conn: Connection, spec: str, kind: str, paths: tuple[str, .
     sources = _Sources()
     sys.addaudithook(sources.opened)  # before the target's import: it sees what that reads
     try:
+        if table.before_import is not None:
+            table.before_import()
         fn = resolve(spec, kind)
         problem, fits = fitting(fn, kind)
         _send(conn, spec, ("loaded", problem, fits, sources.take()))

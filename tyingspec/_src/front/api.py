@@ -29,7 +29,8 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
           case: str | None = None, timeout: float = DEFAULT_TIMEOUT,
           shrink_budget: float = DEFAULT_SHRINK_BUDGET,
           paths: Sequence[str] | None = None, shape: tuple[int, int, int] | None = None,
-          autocast: str | None = None, compile: str | bool | None = None) -> CheckReport:
+          autocast: str | None = None, compile: str | bool | None = None,
+          device: str | None = None) -> CheckReport:
     """Check ``target`` (a built-in name or ``module:attr``) as ``tyingspec check`` does and
     return the :class:`~tyingspec.CheckReport`: ``.ok``, ``.diagnosis``, ``.cases``,
     ``.raise_for_failure()``.
@@ -38,10 +39,10 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
     seeded cases (``case`` picks one of them by name); ``paths`` (default: the current
     directory) go first on the worker's ``sys.path``.  ``shape=(V, d, N)``, ``autocast=`` and
     ``compile=`` are ``--shape``, ``--autocast`` and ``--compile`` (``compile=True``: torch's
-    default backend).  Bad input raises ``ValueError`` (a
-    ``UsageError`` where the command line exits 2) naming what is wrong; an adapter that
-    cannot be loaded or called is in the report (``verdict == "adapter_error"``), never an
-    exception from here."""
+    default backend); ``device="cuda"`` is ``--device cuda`` (``--kind linear-ce``).  Bad
+    input raises ``ValueError`` (a ``UsageError`` where the command line exits 2) naming what
+    is wrong; an adapter that cannot be loaded or called is in the report (``verdict ==
+    "adapter_error"``), never an exception from here."""
     from tyingspec._src.front.cli import _builtin_kind
     from tyingspec._src.kinds.table import kind_spec
 
@@ -56,7 +57,7 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
         chosen = named
     from tyingspec._src.front.cli import flagged
 
-    chosen = flagged(table, chosen, autocast=autocast,
+    chosen = flagged(table, chosen, autocast=autocast, device=device,
                      compile="inductor" if compile is True else compile or None)
     if shape is not None:
         from tyingspec._src.core.cases import at_shape

@@ -62,6 +62,10 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="--kind torch: judge the gradient of torch.compile(model) (backend "
                         "inductor unless named: inductor, aot_eager, eager) against its eager "
                         "twin's uses")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="--kind linear-ce: run the kernel on this device (default cpu, where a "
+                        "Triton kernel runs under the Triton interpreter); its outputs are "
+                        "judged on the CPU")
     p.add_argument("--padding-idx", type=int, default=None, metavar="P",
                    help="a model kind adapter with nn.Embedding(padding_idx=P) semantics: it is "
                         "passed padding_idx=P, and the input path is expected to skip row P "
@@ -264,7 +268,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     spec = kind_spec(args.kind)
     _require_extras(args.target, args.kind, args.precision)
     try:
-        cases = flagged(spec, spec.cases(args.seed), autocast=args.autocast,
+        cases = flagged(spec, spec.cases(args.seed), autocast=args.autocast, device=args.device,
                         compile=args.compile)
     except ValueError as exc:
         parser.error(str(exc))

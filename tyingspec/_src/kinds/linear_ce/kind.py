@@ -21,9 +21,16 @@ from tyingspec._src.core import memory
 from tyingspec._src.core.adapters import Returned
 from tyingspec._src.core.cases import CHUNK as CHUNK
 from tyingspec._src.core.cases import IGNORE_INDEX as IGNORE_INDEX
+from tyingspec._src.core.cases import (
+    LENGTH_CASES,
+    Batch,
+    Case,
+    case_seed,
+    ce_options,
+    working_dtype,
+)
 from tyingspec._src.core.cases import OPTION_NAMES as OPTION_NAMES
 from tyingspec._src.core.cases import REDUCTION_VALUES as REDUCTION_VALUES
-from tyingspec._src.core.cases import Batch, Case, case_seed, ce_options, working_dtype
 from tyingspec._src.core.cases import drawn_ignore_index as drawn_ignore_index
 from tyingspec._src.core.cases import with_ce as with_ce
 from tyingspec._src.core.diagnosis import Label
@@ -47,6 +54,15 @@ from tyingspec._src.kinds.linear_ce.reference import VARIANTS, CEOptions, CEResu
 #: What a kernel declares to be run on a case in a low precision (a torch class does: see
 #: ``kinds.linear_ce.adapter.supported``).
 LOW_PRECISIONS = ("dtype=bfloat16", "dtype=float16")
+#: Where a kernel runs (``--device``): its inputs are moved there, its outputs back to be
+#: judged.  Only a torch-form kernel declares ``device=cuda`` (a numpy one takes arrays).
+DEVICES = ("cpu", "cuda")
+
+
+def device_of(setting: str) -> str:
+    """The device a case's setting (``--device``) names; ``cpu`` when none."""
+    return next((p.partition("=")[2] for p in setting.split(",")
+                 if p.partition("=")[0] == "device"), "cpu")
 
 
 def needed_options(case: Case) -> set[str]:
@@ -66,6 +82,8 @@ def needed_options(case: Case) -> set[str]:
         need.add("bias")
     if f"dtype={case.dtype}" in LOW_PRECISIONS:
         need.add(f"dtype={case.dtype}")
+    if device_of(case.setting) != "cpu":
+        need.add(f"device={device_of(case.setting)}")
     return need
 
 
@@ -137,7 +155,8 @@ def inputs(batch: Batch) -> dict[str, Any]:
     h, _ = body(batch)
     # in E's own dtype (numpy's bfloat16 arithmetic returns float32 from tanh)
     return {"h": np.asarray(h, dtype=batch.E.dtype), "E": batch.E, "targets": batch.targets,
-            "b": batch.b, "options": kernel_keywords(batch), "grad_output": batch.grad_output}
+            "b": batch.b, "options": kernel_keywords(batch), "grad_output": batch.grad_output,
+            "device": device_of(batch.setting)}
 
 
 def _scalar(loss: Any, grad_output: Array | None) -> float:
@@ -370,6 +389,9 @@ def _kernel_findings(args: tuple[Any, ...], dt: str, ref: CEResult, ev: Any,
     if nonfinite:
         return [failed(_CHECK, _INVARIANT, "not_finite",
                        _nonfinite_detail(nonfinite, arrays, args, precision, zmag))]
+    summed = _none_summed(args, ev["loss"], ref)
+    if summed is not None:
+        return [summed]
     dh = np.asarray(ev["dh"], np.float64)
     ok_dh, ok_dE = _matches(ref, dh, returned.dE, precision, k)
     ok_db = True
@@ -392,11 +414,28 @@ def _kernel_findings(args: tuple[Any, ...], dt: str, ref: CEResult, ev: Any,
     ok_loss = loss.shape == ref_loss.shape and bool(np.all(
         np.abs(loss - ref_loss) <= np.asarray(loss_tol.atol) + loss_tol.rtol * np.abs(ref_loss)))
     if ok_dh and ok_dE and ok_db and ok_loss:
+        N, d = np.shape(args[0])
+        small = N * d * np.shape(args[1])[0] <= BLIND_CHECK_UP_TO
+        blind = _blind_to(args, dt, ref, precision, k, loss_tol) \
+            if precision in LOW_DTYPES and small else []
+        if blind:
+            return [failed(_CHECK, _INVARIANT, "no_power",
+                           f"the outputs are within the {precision} bound, but so would be "
+                           f"those of {', '.join(blind)}: at {precision} this case cannot "
+                           "tell them from a correct kernel (the same option's float32 or "
+                           "float64 case can)")]
         return [passed(_CHECK, _INVARIANT)]
     dE = np.asarray(returned.dE, np.float64)  # wrong: every explanation below reads it whole
     hard = _hard_coded_ignore_index(args, dt, dh, dE, precision, k)
     if hard is not None:
         return [hard]
+    # ignored: the forward too (a right loss with the option-off gradients is the known bug of
+    # a backward that drops it, z_loss_missing and the like, tried below)
+    named = (None if ok_loss else _option_ignored(args, dt, dh, dE, loss, loss_tol, precision,
+                                                  k)) or \
+        (None if ok_dh and ok_dE else _padded_lanes(args, dt, dh, dE, precision, k))
+    if named is not None:
+        return [named]
     if not (ok_dh and ok_dE):
         for name, (label, why) in VARIANTS.items():
             try:
@@ -481,6 +520,126 @@ def _hard_coded_ignore_index(args: tuple[Any, ...], dt: str, dh: Array, dE: Arra
                   f"{drawn} were a class; its ignore_index is hard-coded")
 
 
+#: Multiply-adds (V d N) up to which a passing low-precision case is asked which known bugs
+#: would pass it too (:func:`_blind_to`: a reference per bug, about ten): the standard cases
+#: are far below it; a production shape's one reference already costs seconds.
+BLIND_CHECK_UP_TO = 1 << 24
+
+
+def _blind_to(args: tuple[Any, ...], dt: str, ref: CEResult, precision: str, k: float,
+              loss_tol: Tolerance) -> list[str]:
+    """The known bugs that would pass this case at ``precision``: each one's loss, dh and dE
+    (a :data:`VARIANTS` entry, padded lanes for a softcap, an option ignored) differ from the
+    reference on this batch but lie within its bound.  At bfloat16 a 5% error can."""
+    h, E, y, b, opts, go = args
+    wrongs: list[tuple[str, CEResult]] = [
+        (label, linear_ce(*args, variant=name, dtype=dt)) for name, (label, _) in VARIANTS.items()]
+    V = np.shape(E)[0]
+    lanes = (1 << max(4, (V - 1).bit_length())) - V  # past V in Liger's block over V
+    if opts.softcap is not None and lanes:
+        wrongs.append(("padded_lanes_in_lse", linear_ce(*args, dtype=dt,
+                                                        lanes=(lanes, -opts.softcap))))
+    wrongs += [(f"option_ignored ({name})",
+                linear_ce(h, E, y, b, replace(opts, **{name: off}), go, dtype=dt))
+               for name, off in _OFF.items() if getattr(opts, name) != off
+               and name != "reduction"]
+    ref_loss = np.asarray(ref.loss, np.float64)
+    blind = []
+    for label, wrong in wrongs:
+        dh, dE = np.asarray(wrong.dh, np.float64), np.asarray(wrong.dE, np.float64)
+        loss = np.asarray(wrong.loss, np.float64)
+        if np.array_equal(dh, ref.dh) and np.array_equal(dE, np.asarray(ref.dE)) and \
+                np.array_equal(loss, ref_loss):
+            continue  # the bug cannot show on this batch (its option is off)
+        if all(_matches(ref, dh, dE, precision, k)) and bool(np.all(
+                np.abs(loss - ref_loss) <= np.asarray(loss_tol.atol)
+                + loss_tol.rtol * np.abs(ref_loss))) and label not in blind:
+            blind.append(label)
+    return blind
+
+
+def _none_summed(args: tuple[Any, ...], loss: Any, ref: CEResult) -> Finding | None:
+    """A ``reduction='none'`` call that returned one number for N > 1 tokens (Liger #488: the
+    summed scalar): a forward mismatch that names the shapes and what the number is."""
+    opts = args[4]
+    got = np.asarray(loss, np.float64)
+    per_token = np.asarray(ref.loss, np.float64)
+    if opts.reduction != "none" or got.size != 1 or per_token.size <= 1:
+        return None
+    value = float(got.reshape(()))
+    total, weight = float(per_token.sum()), _total_weight(args)
+    what = ""
+    for name, candidate in (("the sum", total),
+                            ("the mean", total / weight if weight else float("nan"))):
+        if abs(value - candidate) <= 1e-3 * (abs(candidate) + 1e-12):
+            what = f": it is {name} of the per-token losses ({candidate:.6g})"
+            break
+    return failed(_CHECK, _INVARIANT, "forward_mismatch",
+                  f"reduction='none' returned a loss of shape {tuple(np.shape(loss))} "
+                  f"({value:.6g}) where the per-token losses, shape {per_token.shape}, were "
+                  f"expected{what}; its backward then ignores the per-token grad_output")
+
+
+#: The options whose being ignored is tried, each with its value when off.
+_OFF: dict[str, Any] = {"logit_scale": 1.0, "softcap": None, "label_smoothing": 0.0,
+                        "lse_square_scale": 0.0, "ce_weight": None, "reduction": "mean"}
+
+
+def _option_ignored(args: tuple[Any, ...], dt: str, dh: Array, dE: Array, loss: Array,
+                    loss_tol: Tolerance, precision: str, k: float) -> Finding | None:
+    """An option the case sets that the kernel took and ignored: its loss, dh and dE are
+    those of the same call with the option off (Liger 0.2.0's ``label_smoothing``)."""
+    h, E, y, b, opts, go = args
+    for name, off in _OFF.items():
+        if getattr(opts, name) == off:
+            continue
+        # reduction="sum" ignored is the mean (nn.CrossEntropyLoss's reduction taken and
+        # never read: Liger 0.2.0); "none" ignored is a scalar, named by _none_summed
+        without = linear_ce(h, E, y, b, replace(opts, **{name: off}),
+                            None if name == "reduction" else go, dtype=dt)
+        off_loss = np.asarray(without.loss, np.float64)
+        if loss.shape == off_loss.shape and bool(np.all(
+                np.abs(loss - off_loss) <= np.asarray(loss_tol.atol)
+                + loss_tol.rtol * np.abs(off_loss))) and \
+                all(_matches(without, dh, dE, precision, k)):
+            value = getattr(opts, name)
+            shown = f"[{len(value)} class weights]" if name == "ce_weight" else f"={value}"
+            return failed(_CHECK, _INVARIANT, "option_ignored",
+                          f"{name}{shown} was accepted and ignored: the loss, dh and dE are "
+                          f"the ones with {name} off ({off})")
+    return None
+
+
+#: Lane block sizes of real kernels over the vocabulary (Liger's ``BLOCK_SIZE``: the next power
+#: of two of V, at most 65536) tried for padded lanes in the logsumexp.
+_LANE_BLOCKS = tuple(2 ** i for i in range(4, 17))
+
+
+def _padded_lanes(args: tuple[Any, ...], dt: str, dh: Array, dE: Array, precision: str,
+                  k: float) -> Finding | None:
+    """dh and dE of a kernel whose padded vocabulary lanes (past V in its last block of B
+    lanes) enter the logsumexp: masked with -inf and then softcapped to -softcap (Liger up to
+    0.8.0, Unsloth before PR #10616), or loaded as 0."""
+    h, E, y, b, opts, go = args
+    V = np.shape(E)[0]
+    values = ([-opts.softcap] if opts.softcap is not None else []) + [0.0]
+    blocks: dict[int, list[int]] = {}  # padded lanes -> the block sizes that leave that many
+    for B in _LANE_BLOCKS:
+        if -V % B:
+            blocks.setdefault(-V % B, []).append(B)
+    for lanes, sizes in blocks.items():
+        for value in values:
+            wrong = linear_ce(h, E, y, b, opts, go, dtype=dt, lanes=(lanes, value))
+            if all(_matches(wrong, dh, dE, precision, k)):
+                how = "-inf softcapped to -softcap" if value else "0"
+                return failed(_CHECK, _INVARIANT, "padded_lanes_in_lse",
+                              f"dh and dE are the contract's with {lanes} more logits of "
+                              f"{value:g} ({how}) in every token's logsumexp: the lanes "
+                              f"{V}..{V + lanes - 1} past V={V} in the kernel's last block "
+                              f"(of {' or '.join(map(str, sizes))} lanes)")
+    return None
+
+
 #: Block sizes of real kernels (Liger, torchtune, litgpt chunks, CCE tiles) tried when dE is
 #: wrong and dh right: is dE one block's contribution alone?
 BLOCK_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -520,11 +679,74 @@ def _rows(a: Array, e: Array, limit: int = 8) -> str:
     return _entries(np.flatnonzero(diff > 1e-6 * (scale + 1e-300)), limit)
 
 
+#: The low precisions a kernel is run in (a torch class: see ``adapter.supported``).
+LOW_DTYPES = ("bfloat16", "float16")
+#: The cases of an option, run again in each low precision (``ce-softcap-bfloat16``): an
+#: option is a kernel's code in every dtype branch.
+OPTION_CASES = ("ce-bias", "ce-logit-scale", "ce-softcap", "ce-label-smoothing", "ce-z-loss",
+                "ce-ignore-index", "ce-class-weights", "ce-sum", "ce-none")
+
+#: Option values the low-precision cases take instead of the float64 cases' own: at the
+#: latter a bug's error can lie inside the bfloat16 bound, at these it does not (measured on
+#: the cases' own batches with the zoo's torch kernel: at 60% ignored a mean counting them, at
+#: a z-loss of 0.05 the z-loss missing, at label_smoothing=0.1 its misweighting, each passed
+#: bfloat16's bound).  The softcap's padded lanes stay inside it at any softcap tried (1, 2):
+#: those cases say so (``no_power``), and their float64 twins have the power.
+LOW_VALUES = {"ignored": "0.75", "lse_square_scale": "1.0", "label_smoothing": "0.5"}
+
+
+def _low(ce: str) -> str:
+    """A ``ce`` string with the :data:`LOW_VALUES` of a low-precision case."""
+    return ",".join(f"{k}={LOW_VALUES.get(k, v)}" for k, v in ce_options(ce).items())
+
+
 #: Tokens in the long case: 4096 + 2048 + 1024 + 512 + 256 + 128 + 37, past two blocks of
 #: every common size up to 4096, each of which (and 7) leaves a partial last block starting
 #: at a token of its own, so a dE that is one block's alone names its block size.  With V and
 #: d small it costs milliseconds of reference.
 LONG_N = 8101
+
+
+#: The long case's block floor under the Triton interpreter: past two blocks of every size up
+#: to this one, whatever block the kernel's launches showed (each interpreted token costs a
+#: program or more: N = 8101 took 51 s a call of Liger's fused kernel on this VM).
+INTERPRETED_BLOCK = 128
+
+
+def long_n(block: int) -> int:
+    """Tokens past two blocks of ``block`` (the kernel's own) and of each power of two from
+    16 below it, each leaving a partial last block that starts at a token of its own, and a
+    partial last chunk of :data:`CHUNK` (``LONG_N``'s pattern, for any block)."""
+    n = block + sum(1 << i for i in range(4, max(block - 1, 1).bit_length()))
+    r = 1
+    while (n + r) % CHUNK == 0 or (n + r) % 16 == 0:
+        r += 1
+    return n + r
+
+
+def shape_ce_cases(spec: str, described: dict[str, Any],
+                   cases: list[Case]) -> tuple[list[Case], list[str]]:
+    """The cases fitted to the kernel: ``ce-long`` past two of the kernel's own blocks, where
+    it declares them (``tyingspec_block``) or runs under the Triton interpreter (the largest
+    block its launches used; at least :data:`INTERPRETED_BLOCK`), not 8101 interpreted
+    tokens."""
+    declared, seen = described.get("block_declared"), described.get("block_seen")
+    interpreted = described.get("interpreted")
+    if declared is None and not interpreted:
+        return cases, []
+    block = int(declared) if declared is not None else max(int(seen or 0), INTERPRETED_BLOCK)
+    out, notes = [], []
+    for c in cases:
+        if c.name in LENGTH_CASES and c.tokens is None:
+            n = long_n(block)
+            why = (f"the block it declares (tyingspec_block = {declared})" if declared is not None
+                   else f"its launches under the Triton interpreter of triton {interpreted} "
+                        f"used blocks of at most {seen or 0}, and at least "
+                        f"{INTERPRETED_BLOCK} are spanned")
+            notes.append(f"{c.name}: N={n}, past two blocks of {block} ({why})")
+            c = replace(c, N=n)
+        out.append(c)
+    return out, notes
 
 
 def standard_ce_cases(seed: int) -> list[Case]:
@@ -557,7 +779,22 @@ def standard_ce_cases(seed: int) -> list[Case]:
         ("ce-long", {"N": LONG_N, "V": 11, "d": 4, "composition": "random",
                      "distinct": None}),
         # a kernel's half-precision branch is its own code: reached only by such inputs
-        ("ce-bfloat16", {"ce": "ignored=0.3,ignore_index=-100", "dtype": "bfloat16"}),
+        ("ce-bfloat16", {"ce": "ignored=0.6,ignore_index=-100", "dtype": "bfloat16"}),
+        ("ce-float16", {"ce": "ignored=0.6,ignore_index=-100", "dtype": "float16"}),
     ]
-    return [Case(name=name, seed=case_seed(seed, name), **(base | kw))  # type: ignore[arg-type]
-            for name, kw in specs]
+    # ...and every option of it too (a bfloat16 branch that drops the logit scale passed
+    # when only the option-free low-precision case ran), with the values that keep power there
+    own = dict(specs)
+    specs += [(f"{name}-{dtype}", own[name] | {"dtype": dtype, "ce": _low(own[name]["ce"])})
+              for dtype in LOW_DTYPES for name in OPTION_CASES]
+    return [_with_logits(Case(name=name, seed=case_seed(seed, name),
+                              **(base | kw))) for name, kw in specs]  # type: ignore[arg-type]
+
+
+def _with_logits(case: Case) -> Case:
+    """``case`` naming the spread of logits it is drawn for (``logits=``, about
+    ``d * e_scale**2``; see ``core.cases.ce_e_scale``), so that ``--shape`` keeps it."""
+    if "logits" in ce_options(case.ce):
+        return case
+    spread = f"logits={case.d * case.e_scale ** 2:g}"
+    return replace(case, ce=f"{case.ce},{spread}" if case.ce else spread)

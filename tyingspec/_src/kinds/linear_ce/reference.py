@@ -196,6 +196,7 @@ def linear_ce(
     block_rows: int | None = None,
     Z: Array | None = None,
     factored: bool = False,
+    lanes: tuple[int, float] = (0, 0.0),
 ) -> CEResult:
     """Closed-form loss and gradients of the contract in the module docstring.
 
@@ -205,7 +206,10 @@ def linear_ce(
     the grouping, never the result beyond rounding.  ``Z [d, k]`` adds the projections of dE
     and their magnitudes (``projected``); ``factored`` returns dE as its factors ``dz.T @ h``
     (an :class:`~tyingspec._src.core.paths.OutputPath`: at Llama-3's head the [V, d] matrix is
-    2.1 GB in float32, and a check reads it a block of rows at a time).
+    2.1 GB in float32, and a check reads it a block of rows at a time).  ``lanes = (P, zp)``
+    adds P phantom logits of value zp to every token's logsumexp (and so to its softmax's
+    denominator): what a kernel computes whose padded vocabulary lanes (past V in its last
+    block) leak into it, as a softcap of the -inf they were masked with does (-softcap).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -298,8 +302,12 @@ def linear_ce(
         if options.softcap is not None:
             zb, deriv = _softcap(zb, options.softcap)
         m = zb.max(axis=1)
+        if lanes[0]:
+            m = np.maximum(m, dt.type(lanes[1]))
         p = np.exp(zb - m[:, None])
         ssum = p.sum(axis=1)
+        if lanes[0]:
+            ssum += dt.type(lanes[0]) * np.exp(dt.type(lanes[1]) - m)
         lse = m + np.log(ssum)
         z_y = zb[r, y_safe[lo:hi]]
         z_mean = zb.mean(axis=1)

@@ -16,7 +16,7 @@ from tyingspec._src.core.adapters import Returned
 from tyingspec._src.core.cases import Batch, Case
 from tyingspec._src.core.kind import Implementation, Inputs, KindSpec, zoo
 from tyingspec._src.core.paths import Paths
-from tyingspec._src.kinds.linear_ce import kind
+from tyingspec._src.kinds.linear_ce import interpreter, kind
 
 
 def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
@@ -64,4 +64,5 @@ SPEC = KindSpec(
     invoke=_invoke, reference=_reference, second_call="repeat",
     properties=("ce_kernel_outputs", "ce_tie_is_the_sum_of_paths"),
     builtins=_builtins, complete=kind.complete, cases=kind.standard_ce_cases, unfit=_unfit,
-    signature=_signature)
+    shape_cases=kind.shape_ce_cases, flags=(("device", kind.DEVICES),),
+    signature=_signature, before_import=interpreter.before_import)
