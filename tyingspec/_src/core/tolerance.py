@@ -64,6 +64,19 @@ def precision_of(dtype: object) -> Precision:
     return "float64"
 
 
+def unit_of(dtype: object) -> float:
+    """The unit roundoff of a numpy/ml_dtypes/torch/jax dtype (or its name; float64's when
+    unknown or ``None``): what every kind's local tolerance is counted in, instead of its
+    framework's own ``finfo(...).eps / 2``."""
+    if isinstance(dtype, type):
+        # a scalar type (``np.float16``, ``jnp.float32``), not a dtype: its dtype's name
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            pass
+    return UNIT_ROUNDOFF[precision_of(dtype)]
+
+
 def least_precise(*dtypes: object) -> Precision:
     """The least precise of ``dtypes`` (``None`` entries ignored); float64 when none."""
     names = [precision_of(d) for d in dtypes if d is not None]

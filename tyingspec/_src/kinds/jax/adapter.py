@@ -12,25 +12,22 @@ loss, through the target's own ``custom_vjp`` backwards: the gradient that train
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tyingspec._src.core.adapters import AdapterError, Returned, model_batch
-from tyingspec._src.core.diagnosis import forward_pattern
 from tyingspec._src.core.findings import (
     Finding,
-    failed,
     not_applicable,
-    passed,
     uses_unobserved,
 )
 from tyingspec._src.core.process_state import jax_state_kept
-from tyingspec._src.core.tolerance import precision_of
+from tyingspec._src.core.tolerance import precision_of, unit_of
 from tyingspec._src.kinds.jax import split
 from tyingspec._src.kinds.jax.discover import (
     PLACEHOLDER,
@@ -44,12 +41,53 @@ from tyingspec._src.kinds.jax.discover import (
 )
 from tyingspec._src.kinds.jax.setting import parse
 
+_T = TypeVar("_T")
+
 #: The checks one call can run; a property asks for its own, ``tyingspec check`` for all.
 CHECKS = ("optimizer", "identity", "gradient", "forward")
 
 #: Optimizer and identity findings per target, once per worker: they do not depend on the
 #: batch, and they are the slow part of a call (each compiles a step).
 _STRUCTURAL: dict[tuple[str, str, str], list[Finding]] = {}
+
+
+#: Per worker, what a target compiles, kept for every later call on it: its Form (built once
+#: per target object and precision), and per Form (``id`` -> the Form and its entries) the
+#: traces, the compiled gradient and the float64 loss of each batch shape.  The tokens and
+#: targets are arguments of everything compiled, so a case of a shape already seen compiles
+#: nothing (a check used to recompile on every call: the tokens were constants of the trace).
+_FORMS: dict[tuple[str, str], tuple[Any, Form]] = {}
+_PER_FORM: dict[int, tuple[Form, dict[Any, Any]]] = {}
+
+
+def _form(spec: str, fn: Any, target: Any, precision: str) -> Form:
+    kept = _FORMS.get((spec, precision))
+    if kept is not None and kept[0] is fn:
+        return kept[1]
+    form = build_form(spec, target, precision)
+    _FORMS[(spec, precision)] = (fn, form)
+    return form
+
+
+def _memo(form: Form, key: Any, make: Callable[[], _T]) -> _T:
+    """``make()``, once per ``form`` and ``key``."""
+    entries = _PER_FORM.setdefault(id(form), (form, {}))[1]
+    if key not in entries:
+        entries[key] = make()
+    out: _T = entries[key]
+    return out
+
+
+def _shape(*xs: Any) -> tuple[Any, ...]:
+    return tuple((tuple(np.shape(x)), str(jnp.asarray(x).dtype)) for x in xs)
+
+
+def _discover(spec: str, form: Form, t: Any = None, y: Any = None
+              ) -> tuple[Tie, Finding, split.Traced]:
+    """:func:`discover`, once per form and batch shape (the trace takes the batch as
+    arguments)."""
+    return _memo(form, ("discover", None if t is None else _shape(t, y)),
+                 lambda: discover(spec, form, t, y))
 
 
 def _x64() -> None:
@@ -67,8 +105,9 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     _x64()
     target = as_target(spec, fn)
     precision = str(inputs.get("precision", "auto"))
-    form = build_form(spec, target, precision)
-    tie, found, tr = discover(spec, form)
+    form = _form(spec, fn, target, precision)
+    target = form.target
+    tie, found, tr = _discover(spec, form)
     if inputs.get("mode") == "describe":
         return _described(form, tie, found, tr)
     try:
@@ -77,7 +116,7 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
         raise AdapterError(spec, str(exc), key="setting") from None
     tokens, targets = model_batch(spec, inputs, setting.B or tie.batch_size, tie.vocab)
     t, y = jnp.asarray(tokens), jnp.asarray(targets)
-    tie, found, tr = discover(spec, form, t, y)
+    tie, found, tr = _discover(spec, form, t, y)
     checks = tuple(inputs.get("checks", CHECKS))
     findings: list[Finding] = [found]
     if found.failed:  # a copy: two leaves, nothing to keep identical
@@ -92,12 +131,15 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
         if group in checks:
             findings += _structural(spec, form, tie, group, t[cut], y[cut], precision, tr)
     if setting.table and precision == "auto" and setting.table != tie.dtype:
-        form, tie, tr, refused = _table_in(spec, form, tie, tr, setting.table, t, y)
+        form, tie, tr, refused = _memo(
+            form, ("table in", setting.table, _shape(t, y)),
+            lambda: _table_in(spec, form, tie, tr, setting.table, t, y))
         findings += refused
     own_precision = _own_precision(tie)
     a, b = tr.paths.index(tie.embedding), tr.paths.index(tie.head)
     try:
-        value, grads = jax.jit(jax.value_and_grad(form.loss))(form.params, t, y)
+        grad = _memo(form, "grad", lambda: jax.jit(jax.value_and_grad(form.loss)))
+        value, grads = grad(form.params, t, y)
     except Exception as exc:
         raise AdapterError(spec, "jax.grad of the model's loss raised", key="forward",
                            got=f"{type(exc).__name__}: {exc}") from exc
@@ -106,7 +148,7 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
         # the table's gradient when a step sums the two paths' leaves (the optimizer check
         # says what a step that does not sum them does)
         own = own + _f64(leaf(grads, tie.head))
-    obs = split.observe(tr, a, b)
+    obs = split.observe(tr, a, b, (t, y))
     evidence: dict[str, Any] = {"tie": asdict(tie), "lookups": obs.lookups,
                                 "heads": obs.heads}
     if obs.problem is None:
@@ -197,23 +239,11 @@ def _structural(spec: str, form: Form, tie: Tie, group: str, t: Any, y: Any,
     return _STRUCTURAL[key]
 
 
-def fd_budget(V: int) -> int:
-    """Forward evaluations one localisation may spend (as the torch kind's: about five wrong
-    rows localised at any V)."""
-    return int(200 + 60 * np.log2(max(V, 2)))
-
-
-#: The unit roundoff from which a gradient is a 16-bit one (bfloat16 2**-8, float16 2**-11).
-_LOW_UNIT = 2.0**-12
-
-_AGAINST = ("the tied gradient agrees with directional central differences of the loss, row "
-            "sets split until the disagreeing rows are found")
-
-
 def _against_forward(form: Form, tie: Tie, t: Any, y: Any, own: np.ndarray, seed: int,
                      obs: split.Observed) -> Finding:
     """``own`` against directional differences of the loss in float64 (the parameters cast,
-    the forward compiled once); a pass is checked for power on ``own`` without its input path.
+    the forward compiled once), judged by :mod:`core.forward_check`; a pass is checked for
+    power on ``own`` without its input path.
 
     A table held below float64 is judged against the float64 loss, whose gradient the
     table's own dtype misses by more than its unit roundoff: a row sums one term per read of
@@ -221,95 +251,48 @@ def _against_forward(form: Form, tie: Tie, t: Any, y: Any, own: np.ndarray, seed
     was off by 491 units), and an ill-conditioned forward (a softmax saturated on a batch the
     model already fits: ``g = p - 1`` from two numbers close to 1) by more still.  So a row
     that disagrees is condemned only where ``own`` is not, within that row's rounding
-    (:func:`_row_rtol`), ``primal``: JAX's own gradient of the target's forward in its own
-    dtypes (every ``custom_vjp`` inlined: the split's two paths), which has the same rounding
-    and no backward of the target's."""
-    from tyingspec._src.core.localize import BudgetExceeded, localize
+    (:func:`_row_rtol`), JAX's own gradient of the target's forward in its own dtypes (every
+    ``custom_vjp`` inlined: the split's two paths), which has the same rounding and no
+    backward of the target's."""
+    from tyingspec._src.core.forward_check import Reference, judge_against_forward
 
-    check = "gradient against the forward"
-    params64 = cast(form.params, jnp.float64)
-    both = tie.how != "one leaf"
-
-    def with_table(E: Any) -> Any:
-        def put(path: Any, x: Any) -> Any:
-            name = split.path_text(path)
-            if name == tie.embedding or (both and name == tie.head and
-                                         tie.how == "two paths, one array"):
-                return E
-            return x
-        return jax.tree_util.tree_map_with_path(put, params64)
-
-    loss64 = jax.jit(lambda E: form.loss(with_table(E), t, y))
+    params64, loss64 = _memo(form, ("loss64", tie.embedding, tie.head, tie.how),
+                             lambda: _loss64(form, tie))
     E0 = np.asarray(leaf(params64, tie.embedding), dtype=np.float64)
-    e_scale = float(E0.std()) or 1.0
 
     def loss_along(rows: np.ndarray, D: np.ndarray, step: float) -> float:
         E = E0.copy()
         E[np.asarray(rows, dtype=np.int64)] += step * np.asarray(D, dtype=np.float64)
-        return float(loss64(jnp.asarray(E)))
+        return float(loss64(jnp.asarray(E), t, y))
 
-    # the rounding the loss really has: a module that computes in float32 whatever its
-    # parameters' dtype (nnx.Embed's own dtype) is differenced at float32
-    low = split.least_precise(split.trace(form.loss, params64, t, y))
-    unit = float(np.finfo(low).eps) / 2
-    own_unit = float(np.finfo(jnp.dtype(tie.dtype)).eps) / 2
-    grad_rtol = max(2.0**-40, 16 * own_unit)
-    options: dict[str, Any] = dict(e_scale=e_scale, unit=unit, grad_rtol=grad_rtol)
-    budget = fd_budget(tie.vocab)
     reads = np.asarray(t).reshape(-1)
-    primal = obs.dE_in + obs.dE_out
-    row_rtol = _row_rtol(reads, tie, obs.logits_dtype)
+    return judge_against_forward(
+        loss_along, own, check="gradient against the forward", seed=seed, reads=reads,
+        vocab=tie.vocab,
+        # the rounding the loss really has: a module that computes in float32 whatever its
+        # parameters' dtype (nnx.Embed's own dtype) is differenced at float32
+        loss_precision=_memo(form, ("computes in", _shape(t, y)), lambda: split.least_precise(
+            split.trace(form.loss, params64, t, y))),
+        grad_dtype=tie.dtype, e_scale=float(E0.std()) or 1.0,
+        input_reached=obs.input_reached, output_reached=obs.output_reached,
+        input_path=obs.dE_in,
+        same_rounding=Reference(obs.dE_in + obs.dE_out,
+                                _row_rtol(reads, tie, obs.logits_dtype), tie.dtype))
 
-    def condemned(G: np.ndarray, rows: Any) -> list[int]:
-        return [int(r) for r in rows if float(np.abs(G[r] - primal[r]).max()) >
-                row_rtol[r] * float(np.abs(primal[r]).max())]
 
-    try:
-        found = localize(loss_along, own, seed=seed, max_evaluations=budget, **options)
-        absent = np.setdiff1d(np.arange(tie.vocab), reads)
-        if own_unit >= _LOW_UNIT and not found.wrong_rows and found.worst <= 1 and \
-                0 < absent.size < tie.vocab:
-            # In 16 bits a test allows 16u of sum |G D| over its rows, which the rows of the
-            # batch's tokens (both paths) dominate: a path wrong by half on the rows holding
-            # the output path alone hides under them.  Those rows are tested on their own.
-            alone = localize(loss_along, own, seed=seed + 2, rows=absent,
-                             max_evaluations=max(budget - found.evaluations, 7), **options)
-            found = replace(alone, evaluations=found.evaluations + alone.evaluations)
-    except BudgetExceeded as exc:
-        label, why = forward_pattern(list(exc.found), reads, tie.vocab, partial=True)
-        return failed(check, _AGAINST, label,
-                      f"rows {list(exc.found)[:16]} (and {exc.unresolved} rows not yet "
-                      f"decided) disagree with the forward{why} (stopped at the budget of "
-                      f"{budget} forward evaluations)", budget)
-    at = f"loss at unit roundoff {unit:.2g}"
-    wrong = condemned(own, found.wrong_rows)
-    rounding = [r for r in found.wrong_rows if r not in wrong]
-    if wrong:
-        label, why = forward_pattern(wrong, reads, tie.vocab)
-        return failed(check, _AGAINST, label,
-                      f"rows {wrong[:16]} disagree with the forward{why} "
-                      f"({found.evaluations} forward evaluations, {at})", found.evaluations)
-    if found.worst > 1 and not found.wrong_rows:
-        return failed(check, _AGAINST, "gradient_disagrees_with_forward",
-                      f"a set of rows disagreed with the forward ({found.worst:.3g}x its "
-                      f"tolerance) but no single row could be confirmed; {at}, "
-                      f"{found.evaluations} forward evaluations", found.evaluations)
-    # power: the same check, the same excuse, fails the gradient without its input path
-    part = own - obs.dE_in
-    try:
-        probe = localize(loss_along, part, seed=seed + 1, max_evaluations=budget, **options)
-        power = bool(condemned(part, probe.wrong_rows)) or (
-            probe.worst > 1 and not probe.wrong_rows)
-    except BudgetExceeded:
-        power = True
-    power = power and bool(np.any(obs.dE_in))
-    note = "" if not rounding else (
-        f"; rows {rounding[:16]} disagree with the forward, but by no more than {tie.dtype}'s "
-        f"rounding parts them from JAX's own gradient of the forward in {tie.dtype}, which "
-        "disagrees as much: a difference this dtype cannot tell from its rounding")
-    return passed(check, _AGAINST, f"{found.evaluations} forward evaluations, {at}{note}"
-                  + ("; it fails the gradient without its input path" if power else ""),
-                  found.evaluations, power)
+def _loss64(form: Form, tie: Tie) -> tuple[Any, Any]:
+    """The parameters in float64 and the loss of the table, tokens and targets, compiled (one
+    compile per batch shape)."""
+    params64 = cast(form.params, jnp.float64)
+    both = tie.how == "two paths, one array"
+
+    def with_table(E: Any) -> Any:
+        def put(path: Any, x: Any) -> Any:
+            name = split.path_text(path)
+            return E if name == tie.embedding or (both and name == tie.head) else x
+        return jax.tree_util.tree_map_with_path(put, params64)
+
+    return params64, jax.jit(lambda E, tt, yy: form.loss(with_table(E), tt, yy))
 
 
 def _row_rtol(reads: np.ndarray, tie: Tie, logits_dtype: str) -> np.ndarray:
@@ -318,7 +301,6 @@ def _row_rtol(reads: np.ndarray, tie: Tie, logits_dtype: str) -> np.ndarray:
     lookup's scatter-add), and the output path's contraction over the batch in the dtype the
     logits are computed in (a float32 head over a bfloat16 table contracts in float32), both
     counted in full (Higham's ``gamma_k``) and doubled (two computations)."""
-    u_table = float(np.finfo(jnp.dtype(tie.dtype)).eps) / 2
-    u_head = float(np.finfo(jnp.dtype(logits_dtype)).eps) / 2
+    u_table, u_head = unit_of(tie.dtype), unit_of(logits_dtype)
     counts = np.bincount(reads, minlength=tie.vocab).astype(np.float64)
     return 2 * u_table * (tie.width + counts + 1) + 2 * u_head * (tie.width + reads.size)

@@ -1,9 +1,10 @@
 """A JAX target as tyingspec sees it: a pure loss of a parameter tree, and where its tie is.
 
-Runs where the user's code runs (the worker process); imports jax and flax.  Every form (an NNX
-module, a Linen module with its variables, a pure ``loss_fn``) becomes one pure function
-``loss(params, tokens, targets)`` of one tree, so the checks, the split and the reference
-treat all three alike.  Discovery never edits the model it inspects.
+Runs where the user's code runs (the worker process); imports jax and flax (and equinox for an
+equinox model).  Every form (an NNX module, a Linen module with its variables, an equinox
+module, a pure ``loss_fn``) becomes one pure function ``loss(params, tokens, targets)`` of one
+tree, so the checks, the split and the reference treat them all alike.  Discovery never edits
+the model it inspects.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ Loss = Callable[[Any, Any, Any], Any]
 class Form:
     """A target as one pure loss of one parameter tree."""
 
-    kind: str  # "nnx" | "linen" | "function"
+    kind: str  # "nnx" | "linen" | "equinox" | "function"
     params: Any
     loss: Loss
     target: JaxTarget
@@ -82,25 +83,38 @@ def as_target(spec: str, obj: Any) -> JaxTarget:
                                 "tyingspec.JaxTarget", got=type(obj).__name__)
 
 
-def _arity(fn: Any) -> int:
-    try:
-        return sum(1 for p in inspect.signature(fn).parameters.values()
-                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-    except (TypeError, ValueError):
-        return 1
-
-
 def mean_ce(logits: Any, targets: Any) -> Any:
     """The mean token cross-entropy of logits [..., V] against integer targets [...]."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
+#: Names a model's second argument has when it is the targets (nanoGPT's ``targets``).
+_TARGET_NAMES = ("targets", "target", "labels", "label", "y")
+
+
+def _takes_targets(fn: Any) -> bool:
+    """Whether a model's ``__call__(self, inputs, ...)`` takes the targets second: a second
+    positional argument without a default, or one named like targets.  lm1b's
+    ``TransformerLM(inputs, inputs_positions=None, ...)`` takes the tokens alone, and its
+    loss is computed from its logits, as the torch kind does."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    except (TypeError, ValueError):
+        return False
+    if len(params) < 2:
+        return False
+    second = params[1]
+    return second.default is inspect.Parameter.empty or second.name in _TARGET_NAMES
+
+
 def _scalar(out: Any, targets: Any, takes_targets: bool) -> Any:
-    if not takes_targets:
-        return mean_ce(out, targets)
-    if isinstance(out, tuple):  # (logits, loss), as nanoGPT-style models return
-        return out[-1]
+    if isinstance(out, tuple):
+        # (logits, loss) as nanoGPT-style models return with targets, (logits, cache) without
+        out = out[-1] if takes_targets else out[0]
+    if np.ndim(out) >= 1 and tuple(np.shape(out)[:-1]) == tuple(np.shape(targets)):
+        return mean_ce(out, targets)  # logits, whatever else it takes
     return out
 
 
@@ -126,14 +140,16 @@ def build_form(spec: str, target: JaxTarget, precision: str = "auto") -> Form:
         except Exception as exc:
             raise AdapterError(spec, "the model factory raised",
                                got=f"{type(exc).__name__}: {exc}") from exc
+        if is_equinox(model):
+            return _equinox_form(target, model, want)
         if not isinstance(model, nnx.Module):
             raise AdapterError(spec, "the model factory returned something else",
-                               expected="a flax.nnx.Module (a Linen module needs "
-                                        "JaxTarget(module=..., params=...))",
+                               expected="a flax.nnx.Module or an equinox.Module (a Linen "
+                                        "module needs JaxTarget(module=..., params=...))",
                                got=type(model).__name__)
         parts: Any = nnx.split(model, nnx.Param, ...)
         graphdef, params, rest = parts
-        takes = _arity(type(model).__call__) > 2
+        takes = _takes_targets(type(model).__call__)
 
         def nnx_loss(p: Any, t: Any, y: Any) -> Any:
             m = nnx.merge(graphdef, p, rest)
@@ -147,7 +163,8 @@ def build_form(spec: str, target: JaxTarget, precision: str = "auto") -> Form:
         if want is not None:
             params = cast(params, want)
         return Form("nnx", params, nnx_loss, target, reload, model)
-    params = target.params() if callable(target.params) else target.params
+    params = target.params() if callable(target.params) and not is_equinox(target.params) \
+        else target.params
     if params is None:
         raise AdapterError(spec, "the target has no parameters", key="params",
                            expected="JaxTarget(params=...) with the tree (or its factory)",
@@ -156,7 +173,7 @@ def build_form(spec: str, target: JaxTarget, precision: str = "auto") -> Form:
         params = cast(params, want)
     if target.module is not None:
         module = target.module
-        takes = _arity(type(module).__call__) > 2
+        takes = _takes_targets(type(module).__call__)
 
         def linen_loss(p: Any, t: Any, y: Any) -> Any:
             out = module.apply(p, t, y) if takes else module.apply(p, t)
@@ -164,7 +181,57 @@ def build_form(spec: str, target: JaxTarget, precision: str = "auto") -> Form:
 
         return Form("linen", params, linen_loss, target, lambda p: p, module)
     assert target.loss_fn is not None
+    if is_equinox(params):
+        # an equinox module as the tree: its arrays are the parameters, the rest static
+        import equinox as eqx
+
+        arrays, static = eqx.partition(params, eqx.is_inexact_array)
+        fn = target.loss_fn
+
+        def eqx_loss(p: Any, t: Any, y: Any) -> Any:
+            return fn(eqx.combine(p, static), t, y)
+
+        return Form("function", cast(arrays, want) if want is not None else arrays, eqx_loss,
+                    target, lambda p: p)
     return Form("function", params, target.loss_fn, target, lambda p: p)
+
+
+def is_equinox(obj: Any) -> bool:
+    """Whether ``obj`` is an ``equinox.Module`` (told without importing equinox: a module
+    instance is only made by a process that imported it)."""
+    return any(c.__module__.split(".")[0] == "equinox" for c in type(obj).__mro__[1:]) or \
+        type(obj).__module__.split(".")[0] == "equinox"
+
+
+def _equinox_form(target: JaxTarget, model: Any, want: Any) -> Form:
+    """An ``equinox.Module``: its inexact arrays are the parameters (``eqx.partition``).  An
+    equinox model is written for one sequence and ``jax.vmap``-ed over the batch, as
+    equinox's own examples do; one that takes the batch whole is called on it."""
+    import equinox as eqx
+
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    takes = _takes_targets(type(model).__call__)
+
+    def call(m: Any, t: Any, y: Any) -> Any:
+        def one(tt: Any, yy: Any) -> Any:
+            return m(tt, yy) if takes else m(tt)
+        try:
+            shape = jax.eval_shape(one, t[0], y[0])
+            per_sequence = not isinstance(shape, tuple) and \
+                tuple(shape.shape[:-1]) == tuple(np.shape(t)[1:])
+        except Exception:  # noqa: BLE001  (a model that takes the batch whole)
+            per_sequence = False
+        return jax.vmap(one)(t, y) if per_sequence else one(t, y)
+
+    def eqx_loss(p: Any, t: Any, y: Any) -> Any:
+        return _scalar(call(eqx.combine(p, static), t, y), y, takes)
+
+    def reload(p: Any) -> Any:
+        return p
+
+    if want is not None:
+        params = cast(params, want)
+    return Form("equinox", params, eqx_loss, target, reload, model)
 
 
 def leaf(tree: Any, path: str) -> Any:
@@ -194,6 +261,25 @@ def batch(target: JaxTarget, V: int) -> tuple[Any, Any]:
 def _vocab_guess(params: Any) -> int:
     shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(params) if np.ndim(x) == 2]
     return max((s[0] for s in shapes), default=1)
+
+
+def _as_table(tr: split.Traced, lookup: int, head: int) -> np.ndarray:
+    """The head leaf as the ``[V, d]`` table it holds (a ``[d, V]`` kernel transposed)."""
+    x = np.asarray(tr.leaves[head])
+    return x.T if split.head_transposed(tr, lookup, head) else x
+
+
+def _transposed_copies(tr: split.Traced, lookups: list[int]) -> list[tuple[int, int]]:
+    """Lookup leaves ``[V, d]`` and ``[d, V]`` leaves read as a head (``Dense(d, V)``, ``h @
+    W``) that hold their transpose: a head initialised to ``embedding.T``, a copy."""
+    found = []
+    for i in lookups:
+        for j, x in enumerate(tr.leaves):
+            if j != i and split.head_transposed(tr, i, j) and \
+                    np.array_equal(np.asarray(tr.leaves[i]), np.asarray(x).T) and \
+                    split.survey(tr, j, transposed=True).heads:
+                found.append((i, j))
+    return found
 
 
 def discover(spec: str, form: Form, tokens: Any = None, targets: Any = None
@@ -229,6 +315,7 @@ def discover(spec: str, form: Form, tokens: Any = None, targets: Any = None
     else:
         pairs = [(i, j) for i in lookups for j in heads
                  if np.shape(tr.leaves[i]) == np.shape(tr.leaves[j])]
+        pairs += _transposed_copies(tr, lookups)
         if not pairs:
             raise AdapterError(
                 spec, "found no tie", key="table",
@@ -237,8 +324,8 @@ def discover(spec: str, form: Form, tokens: Any = None, targets: Any = None
                 got=f"lookups read {[tr.paths[i] for i in lookups]}, heads read "
                     f"{[tr.paths[i] for i in heads]}")
         same = [p for p in pairs if tr.leaves[p[0]] is tr.leaves[p[1]]]
-        equal = [p for p in pairs if np.array_equal(np.asarray(tr.leaves[p[0]]),
-                                                    np.asarray(tr.leaves[p[1]]))]
+        equal = [p for p in pairs if np.array_equal(
+            np.asarray(tr.leaves[p[0]]), _as_table(tr, *p))]
         if not (same or equal):
             raise AdapterError(
                 spec, "found no tie", key="table",

@@ -34,6 +34,7 @@ import numpy as np
 
 from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
+from tyingspec._src.core.tolerance import unit_of
 from tyingspec._src.kinds.jax import split
 from tyingspec._src.kinds.jax.discover import Form, Tie, discover, leaf
 
@@ -57,7 +58,7 @@ def _f64(x: Any) -> np.ndarray:
 
 
 def _unit(tie: Tie) -> float:
-    return float(np.finfo(jnp.dtype(tie.dtype)).eps) / 2
+    return unit_of(tie.dtype)
 
 
 def _close(a: np.ndarray, e: np.ndarray, unit: float, count: int) -> bool:
@@ -293,7 +294,9 @@ def _jitted(spec: str, form: Form, tie: Tie, t: Any, y: Any, tr: split.Traced) -
     loss_at = jax.jit(form.loss)
     for i in range(STEPS):
         try:
-            p, reported = step(p, t, y)
+            # handed a copy: a step that donates its parameters (``donate_argnums=0``)
+            # deletes the buffers it is given, and the check reads them afterwards
+            p, reported = step(jax.tree_util.tree_map(jnp.copy, p), t, y)
         except Exception as exc:
             raise AdapterError(spec, "the training step raised", key="step",
                                got=_raised(exc)) from exc
@@ -314,6 +317,16 @@ def _jitted(spec: str, form: Form, tie: Tie, t: Any, y: Any, tr: split.Traced) -
                                   f"when the step was traced, not the one handed to it "
                                   f"({true:.8g}): the compiled step closes over a stale table "
                                   "(pass the table in, or close over nothing)")
+            if i > 0 and _close(np.asarray(float(reported)),
+                                np.asarray(float(loss_at(form.params, t, y))), unit, count):
+                # every leaf stale: a jitted step reading a TrainState's params it closed
+                # over, not the ones it is handed; the tie (and everything) stops training
+                return failed(check, _STEP, "tie_lost",
+                              f"at step {i + 1} of {whose} the loss ({float(reported):.8g}) "
+                              "is the loss at the parameters the step was built with, not "
+                              f"the ones handed to it ({true:.8g}): the compiled step closes "
+                              "over stale parameters (a TrainState's params captured when "
+                              "it was traced); pass them in")
             return failed(check, _STEP, "unknown",
                           f"at step {i + 1} of {whose} the loss {float(reported):.8g} is not "
                           f"the model's loss at the parameters it was handed ({true:.8g})")

@@ -6,7 +6,12 @@ A use that gathers rows (``nnx.Embed.__call__``, ``jnp.take``, ``E[ids]``) is th
 a ``dot_general`` contracting the table's width (``.attend``, ``h @ E.T``,
 ``logits_via_embedding``) is the output path.  Layout-only operations between the table and
 its use (a dtype conversion, a transpose, a scalar scale) are followed through in both
-versions.  The jaxpr is then evaluated by :func:`_eval` with each use reading its own copy of
+versions, and so is ``lax.stop_gradient``, which marks the uses below it as stopped by the
+model (the reference counts them; the kind names the missing path).  A ``lax.scan`` the table
+enters is unrolled and a ``lax.cond`` has every branch evaluated (the taken one selected), so
+uses inside them are uses.  The tokens and targets are arguments of the trace, not
+constants: one trace, and one compile of the split, serve every batch of a shape.  The
+jaxpr is then evaluated by :func:`_eval` with each use reading its own copy of
 the table (``E_in`` at the lookups, ``E_out`` at the heads), and ``jax.grad`` of each is the
 path.
 
@@ -19,7 +24,7 @@ head's other operand: what :func:`core.cases.kernel_paths` builds the reference 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
+
+from tyingspec._src.core.tolerance import least_precise as _least_precise
+from tyingspec._src.core.tolerance import unit_of
 
 #: Call-like primitives whose inner jaxpr is evaluated in place (never bound): the target's
 #: ``custom_vjp`` backward is what a reference must not trust, and a ``jit`` boundary must not
@@ -50,6 +58,9 @@ class Tied:
     inp: Any
     out: Any
     transposed: bool = False
+    # the table reached this value through ``lax.stop_gradient``: a use of it is still a use
+    # (the reference counts it), one whose gradient the model stops (``*_path_missing``)
+    stopped: bool = False
 
 
 @dataclass
@@ -98,18 +109,83 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], rec: Recorder)
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         sub = _inner(eqn)
-        outs = _eval(sub[0], sub[1], ins, rec) if sub is not None else _apply(eqn, ins, rec)
+        if sub is not None:
+            outs = _eval(sub[0], sub[1], ins, rec)
+        elif eqn.primitive.name in _CONTROL and any(isinstance(x, Tied) for x in ins):
+            outs = _CONTROL[eqn.primitive.name](eqn, ins, rec)
+        else:
+            outs = _apply(eqn, ins, rec)
         for v, x in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
 
+def _scan(eqn: Any, ins: list[Any], rec: Recorder) -> list[Any]:
+    """``lax.scan`` reading the table (a chunked cross-entropy head, a scan over layers)
+    unrolled, so that each iteration's uses are uses; one that carries or scans over the
+    table itself is not a use this follows (refused as another use)."""
+    prm = eqn.params
+    body, n_const, n_carry = prm["jaxpr"], int(prm["num_consts"]), int(prm["num_carry"])
+    consts, carry, xs = ins[:n_const], ins[n_const:n_const + n_carry], ins[n_const + n_carry:]
+    if any(isinstance(x, Tied) for x in carry + xs):
+        return _apply(eqn, ins, rec)
+    length = int(prm["length"])
+    ys: list[list[Any]] = []
+    for i in (reversed(range(length)) if prm["reverse"] else range(length)):
+        outs = _eval(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)], rec)
+        outs = _untied(outs, "scan", rec)
+        carry, y = outs[:n_carry], outs[n_carry:]
+        ys.append(y)
+    if prm["reverse"]:
+        ys.reverse()
+    stacked = [jnp.stack([y[k] for y in ys]) if ys else
+               jnp.zeros((0, *v.aval.shape), v.aval.dtype)
+               for k, v in enumerate(eqn.outvars[n_carry:])]
+    return [*carry, *stacked]
+
+
+def _cond(eqn: Any, ins: list[Any], rec: Recorder) -> list[Any]:
+    """``lax.cond``/``switch`` reading the table: every branch evaluated, the taken one's
+    values selected (a use in a branch not taken gets zero cotangents: no gradient)."""
+    index, ops = ins[0], ins[1:]
+    branches = [_untied(_eval(b.jaxpr, b.consts, ops, rec), "cond", rec)
+                for b in eqn.params["branches"]]
+    if len(branches) == 1:
+        return branches[0]
+    return [jax.lax.select_n(index, *outs) for outs in zip(*branches)]
+
+
+def _untied(outs: list[Any], name: str, rec: Recorder) -> list[Any]:
+    """Outputs of a control-flow body; one that hands the table itself on is not a use the
+    split follows: refused (recorded as another use), evaluation going on with the head's
+    version, as :func:`_apply` does."""
+    if any(isinstance(o, Tied) for o in outs):
+        rec.other.append(f"{name} returning the table")
+    return [o.out if isinstance(o, Tied) else o for o in outs]
+
+
+#: Control flow evaluated here (not bound) when the table enters it.
+_CONTROL: dict[str, Callable[[Any, list[Any], Recorder], list[Any]]] = {
+    "scan": _scan, "cond": _cond}
+
+
 def _row_gather(params: dict[str, Any], width: int) -> bool:
+    """A gather of whole rows: indices of the row alone (``E[ids]``, ``jnp.take``), or of the
+    row and a column start, the slice as wide as the table (``weight[i]`` under ``jax.vmap``,
+    as equinox's ``jax.vmap(embedding)`` lowers; the start can only be 0)."""
     dn = params["dimension_numbers"]
-    return (tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
-            and tuple(params["slice_sizes"]) == (1, width)
-            and not tuple(getattr(dn, "operand_batching_dims", ())))
+    if tuple(params["slice_sizes"]) != (1, width) or \
+            tuple(getattr(dn, "operand_batching_dims", ())):
+        return False
+    rows_only = tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
+    return rows_only or _row_and_column(params)
+
+
+def _row_and_column(params: dict[str, Any]) -> bool:
+    dn = params["dimension_numbers"]
+    return tuple(dn.start_index_map) == (0, 1) and not tuple(dn.collapsed_slice_dims) and \
+        params["mode"] != jax.lax.GatherScatterMode.FILL_OR_DROP
 
 
 def _apply(eqn: Any, ins: list[Any], rec: Recorder) -> list[Any]:
@@ -120,7 +196,7 @@ def _apply(eqn: Any, ins: list[Any], rec: Recorder) -> list[Any]:
 
     def both(k: int, fn: Callable[[Any], list[Any]], transposed: bool) -> list[Any]:
         t = ins[k]
-        return [Tied(a, b, transposed) for a, b in zip(fn(t.inp), fn(t.out))]
+        return [Tied(a, b, transposed, t.stopped) for a, b in zip(fn(t.inp), fn(t.out))]
 
     def with_(k: int, value: Any) -> list[Any]:
         args = list(ins)
@@ -130,6 +206,10 @@ def _apply(eqn: Any, ins: list[Any], rec: Recorder) -> list[Any]:
     if len(tied) == 1:
         k = tied[0]
         t: Tied = ins[k]
+        if name == "stop_gradient":
+            # followed through unstopped: the reference is the gradient of every use, and
+            # the uses below it are marked as stopped by the model
+            return [Tied(t.inp, t.out, t.transposed, True)]
         if name in _PASS and len(ins) == 1:
             if name == "convert_element_type":
                 rec.casts.append(str(jnp.dtype(eqn.params["new_dtype"])))
@@ -173,7 +253,9 @@ def _sliced(eqn: Any, ins: list[Any], k: int, rec: Recorder) -> None:
 def _lookup(eqn: Any, ins: list[Any], t: Tied, rec: Recorder) -> Any:
     out = _bind(eqn, [t.inp, *ins[1:]])[0]
     k = len(rec.lookups)
-    rec.lookups.append({"ids": ins[1], "shape": tuple(np.shape(out)), "dtype": out.dtype})
+    ids = ins[1][..., :1] if _row_and_column(eqn.params) else ins[1]
+    rec.lookups.append({"ids": ids, "shape": tuple(np.shape(out)), "dtype": out.dtype,
+                        "stopped": t.stopped})
     if rec.probes is not None:
         out = out + rec.probes["x"][k]
     return out
@@ -190,7 +272,8 @@ def _head(eqn: Any, ins: list[Any], k: int, t: Tied, rec: Recorder) -> Any | Non
     out = _bind(eqn, args)[0]
     j = len(rec.heads)
     rec.heads.append({"h": ins[1 - k], "hc": int(hc[0]), "side": k,
-                      "shape": tuple(np.shape(out)), "dtype": out.dtype})
+                      "shape": tuple(np.shape(out)), "dtype": out.dtype,
+                      "stopped": t.stopped})
     if rec.probes is not None:
         out = out + rec.probes["g"][j]
     return out
@@ -198,12 +281,25 @@ def _head(eqn: Any, ins: list[Any], k: int, t: Tied, rec: Recorder) -> Any | Non
 
 @dataclass(frozen=True)
 class Traced:
-    """A loss traced once: its jaxpr over the flattened parameter leaves."""
+    """A loss traced once: its jaxpr over the flattened parameter leaves, then the tokens and
+    the targets (arguments, not constants: one trace and one compile serve every batch of
+    its shape); ``batch``: the tokens and targets it was traced with (what a survey reads
+    lookup indices from)."""
 
     jaxpr: Any  # ClosedJaxpr
     leaves: list[Any]
     paths: list[str]
     treedef: Any
+    batch: tuple[Any, Any]
+    # compiled observations, per uses and batch shape, each with the Recorders its trace filled
+    observers: dict[tuple[Any, ...], tuple[Any, Recorder, Recorder]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def run(self, args: Sequence[Any], rec: Recorder, batch: Sequence[Any] = ()) -> Any:
+        """The loss at ``args`` (the leaves, some :class:`Tied`) on ``batch`` (the traced
+        one by default)."""
+        return _eval(self.jaxpr.jaxpr, self.jaxpr.consts, [*args, *(batch or self.batch)],
+                     rec)[0]
 
 
 def path_text(path: Sequence[Any]) -> str:
@@ -221,10 +317,12 @@ def trace(loss: Callable[..., Any], params: Any, tokens: Any, targets: Any) -> T
     leaves = [leaf for _, leaf in with_paths]
 
     def flat(*xs: Any) -> Any:
-        return loss(jax.tree_util.tree_unflatten(treedef, list(xs)), tokens, targets)
+        *ps, t, y = xs
+        return loss(jax.tree_util.tree_unflatten(treedef, ps), t, y)
 
-    closed = jax.make_jaxpr(flat)(*leaves)
-    return Traced(closed, leaves, [path_text(p) for p, _ in with_paths], treedef)
+    batch = (jnp.asarray(tokens), jnp.asarray(targets))
+    closed = jax.make_jaxpr(flat)(*leaves, *batch)
+    return Traced(closed, leaves, [path_text(p) for p, _ in with_paths], treedef, batch)
 
 
 @dataclass(frozen=True)
@@ -250,15 +348,16 @@ def _positions(ids: Any) -> bool:
     return a.ndim >= 1 and a.shape[-1] > 1 and bool(np.all(a == np.arange(a.shape[-1])))
 
 
-def survey(tr: Traced, i: int) -> Survey:
+def survey(tr: Traced, i: int, transposed: bool = False) -> Survey:
     """How leaf ``i`` is used (abstractly evaluated: no arithmetic on the parameters runs;
-    what depends on the batch alone is computed, so lookup indices are known values)."""
+    what depends on the batch alone is computed, so lookup indices are known values);
+    ``transposed``: the leaf read as ``[d, V]`` (a ``Dense(d, V)`` kernel as a head)."""
     rec = Recorder()
 
     def run(*xs: Any) -> Any:
         args = list(xs)
-        args[i] = Tied(xs[i], xs[i])
-        return _eval(tr.jaxpr.jaxpr, tr.jaxpr.consts, args, rec)[0]
+        args[i] = Tied(xs[i], xs[i], transposed)
+        return tr.run(args, rec)  # the batch concrete: lookup indices are known values
 
     with jax.ensure_compile_time_eval():
         jax.eval_shape(run, *tr.leaves)
@@ -285,12 +384,26 @@ class Observed:
     # the least precise dtype a head's logits are computed in: what the output path's
     # contraction over the batch rounds at
     logits_dtype: str = "float64"
+    # whether some lookup (head) reaches the table without ``lax.stop_gradient``: the model's
+    # own gradient has that path at all
+    input_reached: bool = True
+    output_reached: bool = True
+
+
+def head_transposed(tr: Traced, lookup: int, head: int) -> bool:
+    """Whether the head's leaf holds the table as ``[d, V]`` (a ``Dense(d, V)`` kernel beside a
+    ``[V, d]`` lookup table): it is handed ``E_out.T``."""
+    a, b = np.shape(tr.leaves[lookup]), np.shape(tr.leaves[head])
+    return lookup != head and len(a) == 2 and a[0] != a[1] and tuple(b) == tuple(a[::-1])
 
 
 def _args(tr: Traced, lookup: int, head: int, E_in: Any, E_out: Any) -> list[Any]:
     args = list(tr.leaves)
     if lookup == head:
         args[lookup] = Tied(E_in, E_out)
+    elif head_transposed(tr, lookup, head):
+        args[lookup] = Tied(E_in, E_in)
+        args[head] = Tied(E_out.T, E_out.T, True)
     else:
         args[lookup] = Tied(E_in, E_in)
         args[head] = Tied(E_out, E_out)
@@ -301,35 +414,51 @@ def split_loss(tr: Traced, lookup: int, head: int) -> Callable[[Any, Any], Any]:
     """The loss with the lookups reading the first argument and the heads the second."""
     def fn(E_in: Any, E_out: Any) -> Any:
         rec = Recorder()
-        return _eval(tr.jaxpr.jaxpr, tr.jaxpr.consts, _args(tr, lookup, head, E_in, E_out),
-                     rec)[0]
+        return tr.run(_args(tr, lookup, head, E_in, E_out), rec)
     return fn
 
 
-def observe(tr: Traced, lookup: int, head: int) -> Observed:
-    """Both paths of leaf ``lookup`` (read by the lookups) and ``head`` (by the heads)."""
-    E_in, E_out = tr.leaves[lookup], tr.leaves[head]
+def _observer(tr: Traced, lookup: int, head: int, E_in: Any, E_out: Any, t: Any, y: Any
+              ) -> tuple[Any, Recorder, Recorder]:
+    """The compiled split evaluation of ``observe`` and the two Recorders its traces fill:
+    ``shapes`` (the uses' shapes, for the probes) and ``rec`` (what each use is: a compiled
+    call runs no Python, so what its trace recorded stands for every call of that shape)."""
     shapes = Recorder()
 
-    def shaped(a: Any, b: Any) -> Any:
-        return _eval(tr.jaxpr.jaxpr, tr.jaxpr.consts, _args(tr, lookup, head, a, b), shapes)[0]
+    def shaped(a: Any, b: Any, tt: Any, yy: Any) -> Any:
+        return tr.run(_args(tr, lookup, head, a, b), shapes, (tt, yy))
 
-    jax.eval_shape(shaped, E_in, E_out)
-    probes = {"x": [jnp.zeros(u["shape"], u["dtype"]) for u in shapes.lookups],
-              "g": [jnp.zeros(u["shape"], u["dtype"]) for u in shapes.heads]}
-    rec = Recorder(probes)
+    jax.eval_shape(shaped, E_in, E_out, t, y)
+    rec = Recorder({"x": [], "g": []})
 
-    def run(a: Any, b: Any, p: dict[str, list[Any]]) -> tuple[Any, Any]:
+    def run(a: Any, b: Any, p: dict[str, list[Any]], tt: Any, yy: Any) -> tuple[Any, Any]:
         rec.probes = p  # the traced probes: their gradients are dx and g
         rec.lookups.clear()
         rec.heads.clear()
         rec.other.clear()
-        out = _eval(tr.jaxpr.jaxpr, tr.jaxpr.consts, _args(tr, lookup, head, a, b), rec)[0]
+        out = tr.run(_args(tr, lookup, head, a, b), rec, (tt, yy))
         return out, ([u["h"] for u in rec.heads], [u["ids"] for u in rec.lookups])
 
     # compiled once: evaluated op by op, a small model's split costs seconds on 2 cores
-    (loss, (hs, idss)), (g_in, g_out, g_probe) = jax.jit(jax.value_and_grad(
-        run, argnums=(0, 1, 2), has_aux=True))(E_in, E_out, probes)
+    fn = jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2), has_aux=True))
+    return fn, shapes, rec
+
+
+def observe(tr: Traced, lookup: int, head: int, batch: Sequence[Any] = ()) -> Observed:
+    """Both paths of leaf ``lookup`` (read by the lookups) and ``head`` (by the heads), on
+    ``batch`` (tokens, targets; default: the one traced).  Compiled once per ``tr``, uses and
+    batch shape: the tokens and targets are the compiled function's arguments."""
+    t, y = batch or tr.batch
+    E_in, E_out = tr.leaves[lookup], tr.leaves[head]
+    if head_transposed(tr, lookup, head):
+        E_out = E_out.T  # the [V, d] table the head's [d, V] kernel holds
+    key = (lookup, head, tuple(np.shape(t)), tuple(np.shape(y)))
+    if key not in tr.observers:
+        tr.observers[key] = _observer(tr, lookup, head, E_in, E_out, t, y)
+    fn, shapes, rec = tr.observers[key]
+    probes = {"x": [jnp.zeros(u["shape"], u["dtype"]) for u in shapes.lookups],
+              "g": [jnp.zeros(u["shape"], u["dtype"]) for u in shapes.heads]}
+    (loss, (hs, idss)), (g_in, g_out, g_probe) = fn(E_in, E_out, probes, t, y)
     V, d = np.shape(E_in)
     problem = None
     if rec.other:
@@ -355,20 +484,25 @@ def observe(tr: Traced, lookup: int, head: int) -> Observed:
         # the recorded uses must account for JAX's own split (a head layout misread, a use
         # seen twice): checked before anything is built on them
         scale = float(np.abs(dE_out).max(initial=0.0)) + float(np.abs(dE_in).max(initial=0.0))
-        unit = float(np.finfo(jnp.asarray(E_in).dtype).eps)
-        tol = 64 * unit * max(ids.size, 1) * (scale + 1e-300)
+        tol = 128 * unit_of(jnp.asarray(E_in).dtype) * max(ids.size, 1) * (scale + 1e-300)
         rebuilt_in = np.zeros((V, d))
         np.add.at(rebuilt_in, ids, dx)
         if np.abs(g_all.T @ h_all - dE_out).max(initial=0.0) > tol or \
                 np.abs(rebuilt_in - dE_in).max(initial=0.0) > tol:
             problem = "the recorded dx, h and g do not rebuild JAX's own split of the paths"
-    logits = max((jnp.dtype(u["dtype"]) for u in shapes.heads),
-                 key=lambda dt: float(np.finfo(dt).eps), default=jnp.dtype(jnp.float64))
+    logits = least_precise_of(u["dtype"] for u in shapes.heads)
     return Observed(float(loss), dE_in, dE_out, ids, dx, h_all, g_all, len(rec.lookups),
-                    len(rec.heads), problem, str(logits))
+                    len(rec.heads), problem, logits,
+                    input_reached=not rec.lookups or any(not u["stopped"] for u in rec.lookups),
+                    output_reached=not rec.heads or any(not u["stopped"] for u in rec.heads))
 
 
-def least_precise(tr: Traced) -> Any:
+def least_precise_of(dtypes: Iterable[Any]) -> str:
+    """The least precise of ``dtypes`` (float64 when none), by core's roundoff."""
+    return _least_precise(*(jnp.dtype(d) for d in dtypes))
+
+
+def least_precise(tr: Traced) -> str:
     """The least precise floating dtype any equation of the loss computes in (a float32
     ``nnx.Embed`` keeps float32 under float64 parameters): what its rounding really is."""
     found: list[Any] = []
@@ -384,7 +518,7 @@ def least_precise(tr: Traced) -> Any:
                 walk(sub[0])
 
     walk(tr.jaxpr.jaxpr)
-    return max(found, key=lambda dt: float(np.finfo(dt).eps), default=jnp.float64)
+    return least_precise_of(found)
 
 
 def _f64(x: Any) -> np.ndarray:

@@ -36,10 +36,12 @@ from torch import nn
 
 from tyingspec._src.core.adapters import AdapterError, Returned
 from tyingspec._src.core.cases import kernel_paths
-from tyingspec._src.core.diagnosis import diagnose, forward_pattern
+from tyingspec._src.core.diagnosis import diagnose
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed, uses_unobserved
+from tyingspec._src.core.forward_check import AGAINST as _AGAINST
+from tyingspec._src.core.forward_check import judge_against_forward
 from tyingspec._src.core.process_state import torch_state_kept
-from tyingspec._src.core.tolerance import Precision, precision_of
+from tyingspec._src.core.tolerance import UNIT_ROUNDOFF, Precision, precision_of, unit_of
 from tyingspec._src.kinds.torch.batch import TorchBatch, make_batch
 from tyingspec._src.kinds.torch.discover import (
     Loss,
@@ -68,7 +70,7 @@ CHECKS = ("identity", "optimizer", "gradient", "forward", "fresh", "micro_batche
 #: batch (each rebuilds the model from its factory), and they are the slow part of a call.
 _STRUCTURAL: dict[tuple[str, str], list[Finding]] = {}
 
-_U64 = float(np.finfo(np.float64).eps) / 2
+_U64 = UNIT_ROUNDOFF["float64"]
 
 
 def _numpy(t: torch.Tensor | None, shape: tuple[int, ...]) -> np.ndarray:
@@ -135,7 +137,7 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
         if not found.failed or exc.key != "forward":
             raise
         return _untied_forward_raised(build, tie, findings, exc)
-    unit = _unit(build.computed)
+    unit = unit_of(build.computed)
     scaled = evidence.pop("path_factors", None)
     if scaled:
         findings.append(failed("paths enter once", "each path enters the tied gradient with "
@@ -360,10 +362,6 @@ def _is_dropout(name: str) -> bool:
     return "dropout" in low or "pdrop" in low or low.endswith("_drop") or "drop_path" in low
 
 
-def _unit(dtype: torch.dtype | None) -> float:
-    return float(torch.finfo(dtype or torch.float64).eps) / 2
-
-
 def _structural(spec: str, target: TorchTarget, seed: int, tie: Tie, group: str,
                 loss_of: Loss, batch: TorchBatch,
                 dtype: torch.dtype | None = None) -> list[Finding]:
@@ -532,7 +530,7 @@ def _own_loss(build: Build, tie: Tie, path: str, b: TorchBatch) -> Finding:
     means = {name: F.cross_entropy(zz, yy, ignore_index=ignore)
              for name, (zz, yy) in candidates.items()}
     got = float(loss)
-    u = _unit(loss.dtype if loss.is_floating_point() else None)
+    u = unit_of(loss.dtype if loss.is_floating_point() else None)
     atol = 64 * u * (1.0 + float(z.abs().max()))
     if any(abs(got - float(c)) <= atol + 64 * u * abs(float(c)) for c in means.values()):
         return passed(check, _MEAN_CE)
@@ -710,9 +708,9 @@ def _power_probe(build: Build, evidence: dict[str, Any], tie: Tie) -> np.ndarray
 
 
 def _forward_model(build: Build, tie: Tie, loss_of: Loss, b: TorchBatch
-                   ) -> tuple[nn.Module, float]:
-    """The model the forward check differences, and the unit roundoff its loss is really
-    computed at: a float64 build where the model converts and runs in float64 (central
+                   ) -> tuple[nn.Module, torch.dtype]:
+    """The model the forward check differences, and the dtype its loss is really computed
+    in: a float64 build where the model converts and runs in float64 (central
     differences are far sharper there), else the model in the dtype it trains in."""
     from tyingspec._src.kinds.torch.uses import observed_uses
 
@@ -724,7 +722,7 @@ def _forward_model(build: Build, tie: Tie, loss_of: Loss, b: TorchBatch
                 value = loss_of(m, b)
             if dtype is not None and not bool(torch.isfinite(value)):
                 continue
-            return m, _unit(uses.least_precise)
+            return m, uses.least_precise
         except Exception:  # noqa: BLE001  (no float64 kernel: the model's own dtype)
             if dtype is None:
                 raise
@@ -739,23 +737,19 @@ def _against_forward(build: Build, tie: Tie, loss_of: Loss, b: TorchBatch,
     """``reads``: the ids the lookups read (see :func:`_reads`).  ``input_path``: when given,
     a passing check is also run on the gradient without it, and has power when that one
     fails."""
-    m, unit = _forward_model(build, tie, loss_of, b)
-    return _differenced(m, unit, build.computed, tie, loss_of, b, own, seed, input_reached,
+    m, loss_dtype = _forward_model(build, tie, loss_of, b)
+    return _differenced(m, loss_dtype, build.computed, tie, loss_of, b, own, seed, input_reached,
                         reads, input_path, "gradient against the forward", _AGAINST,
                         output_reached=output_reached)
 
 
-_AGAINST = ("the tied gradient agrees with directional central differences of the loss, row "
-            "sets split until the disagreeing rows are found")
-
-
-def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie, loss_of: Loss,
+def _differenced(m: nn.Module, loss_dtype: torch.dtype | None, dtype: torch.dtype | None,
+                 tie: Tie, loss_of: Loss,
                  b: TorchBatch, own: np.ndarray, seed: int,
                  input_reached: bool, reads: np.ndarray, input_path: np.ndarray | None,
                  check: str, invariant: str, *, output_reached: bool = True) -> Finding:
-    """``own`` against directional differences of ``m``'s loss, whose rounding is ``unit``
-    (``dtype``: what ``own`` was computed in)."""
-    from tyingspec._src.core.localize import BudgetExceeded, fails_without, localize
+    """``own`` against directional differences of ``m``'s loss, computed in ``loss_dtype``
+    (``dtype``: what ``own`` was computed in), judged by :mod:`core.forward_check`."""
     from tyingspec._src.kinds.torch.tables import frozen_table, renormalised_rows
 
     E = frozen_table(m, tie.embedding)  # a parametrized table: W, held fixed from here on
@@ -786,70 +780,15 @@ def _differenced(m: nn.Module, unit: float, dtype: torch.dtype | None, tie: Tie,
     # and max_norm: a read row at the renormalisation is rescaled by the forward it is
     # differenced through, while its gradient treats the rescaling as a constant
     rows = np.setdiff1d(rows, renormalised_rows(m, tie.embedding, reads))
-    # the claimed gradient was rounded at the precision it was computed in, over sums of up
-    # to one term per position and row
-    grad_rtol = max(2.0**-40, 16 * _unit(dtype))
-    budget = fd_budget(tie.vocab)
-    try:
-        found = localize(loss_along, own, seed=seed, rows=rows, max_evaluations=budget,
-                         e_scale=e_scale, unit=unit, grad_rtol=grad_rtol)
-    except BudgetExceeded as exc:
-        # many wrong rows: the rows confirmed so far, and how many are left undecided
-        label, why = forward_pattern(list(exc.found), reads, tie.vocab,
-                                     padding_idx=tie.padding_idx,
-                                     input_reached=input_reached, partial=True,
-                                     output_reached=output_reached)
-        return failed(check, invariant, label,
-                      f"rows {list(exc.found)[:16]} (and {exc.unresolved} rows not yet "
-                      f"decided) disagree with the forward{why} (stopped at the budget of "
-                      f"{budget} forward evaluations)", budget)
-    at = f"loss at unit roundoff {unit:.2g}"
-    if not found.wrong_rows:
-        if found.worst > 1 and not (input_reached and output_reached):
-            # a set disagreed and no single row could be confirmed: a label only from evidence
-            # beyond the rows, autograd showing a path that never reaches E
-            label = "input_path_missing" if not input_reached else "output_path_missing"
-            why = (", and the lookup never reaches E through autograd" if not input_reached
-                   else ", and the head never reaches E through autograd")
-            return failed(check, invariant, label,
-                          f"a set of rows disagreed with the forward ({found.worst:.3g}x its "
-                          f"tolerance) but no single row could be confirmed{why}; {at}, "
-                          f"{found.evaluations} forward evaluations", found.evaluations)
-        if found.worst > 1:
-            # a set disagreed and no single row could be confirmed, nor any path shown missing:
-            # no evidence a correct model could not give (rounding summed over a set of rows
-            # at a large batch); never a failure, and said so, without power
-            return passed(check, invariant,
-                          f"a set of rows disagreed with the forward ({found.worst:.3g}x its "
-                          f"tolerance) but no single row could be confirmed, so nothing is "
-                          f"named; {at}, {found.evaluations} forward evaluations",
-                          found.evaluations, False)
-        power = fails_without(loss_along, own, input_path, seed=seed, rows=rows,
-                              max_evaluations=budget, e_scale=e_scale, unit=unit,
-                              grad_rtol=grad_rtol)
-        kinked = (f"; {found.kinked} disagreeing direction(s) left out: the loss is not "
-                  "smooth along them within the step (a kink, such as a router switching "
-                  "experts), and no row confirmed them") if found.kinked else ""
-        return passed(check, invariant, f"{found.evaluations} forward evaluations, {at}"
-                      + ("; it fails the gradient without its input path" if power else "")
-                      + kinked, found.evaluations, power)
-    label, why = forward_pattern(list(found.wrong_rows), reads, tie.vocab,
-                                 padding_idx=tie.padding_idx,
-                                 input_reached=input_reached, output_reached=output_reached)
-    return failed(check, invariant, label,
-                  f"rows {list(found.wrong_rows)[:16]} disagree with the forward{why} "
-                  f"({found.evaluations} forward evaluations, {at})", found.evaluations)
+    return judge_against_forward(loss_along, own, check=check, invariant=invariant, seed=seed,
+                                 reads=reads, vocab=tie.vocab, loss_precision=loss_dtype,
+                                 grad_dtype=dtype, e_scale=e_scale, rows=rows,
+                                 padding_idx=tie.padding_idx, input_reached=input_reached,
+                                 output_reached=output_reached, input_path=input_path)
 
 
 def tokens_of(t: torch.Tensor) -> np.ndarray:
     return np.asarray(t.reshape(-1).numpy(), dtype=np.int64)
-
-
-def fd_budget(V: int) -> int:
-    """Forward evaluations one localisation may spend: k wrong rows cost ~12 k log2 V, so this
-    localises about five rows at any V and stops, with what it found, beyond that (a bug on
-    every row needs no more rows to be named)."""
-    return int(200 + 60 * np.log2(max(V, 2)))
 
 
 def _close(a: np.ndarray, e: np.ndarray, count: int, unit: float = _U64) -> bool:
@@ -1000,7 +939,7 @@ def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
     def fallback(m: nn.Module, own: np.ndarray, uses: Uses, where: str) -> Finding:
         reached = input_reached and uses.input_reached() and \
             _input_reaches(m, tie, objective, b)
-        why = _differenced(m, _unit(uses.least_precise), build.computed, tie, objective, b,
+        why = _differenced(m, uses.least_precise, build.computed, tie, objective, b,
                            own,
                            seed, reached,
                            _reads(m, {}, b), None, CHECK,
