@@ -9,13 +9,21 @@ not because we wrote a scatter-add.  The target enters the same way as a one-hot
 tied reference is ``dL/dE_in + dL/dE_out`` evaluated at ``E_in = E_out = E``.
 
 Cost grows super-linearly with V*d*N, so this is for small shapes; compiled functions are cached
-per (V, d, has_bias) in each process (each pytest-xdist worker compiles its own).
+per (V, d, has_bias) in each process, and the source sympy generates for each on disk
+(:func:`cache_dir`): deriving the shapes a property run meets cost ~4.5 CPU-s in every process
+(each pytest-xdist worker derived its own), most of the plugin quick start's CPU, while
+loading the saved source costs a millisecond.  The file's name holds a digest of this module
+and sympy's version, so a changed derivation or sympy derives afresh.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,9 +39,67 @@ def _matrix(name: str, rows: int, cols: int) -> sp.Matrix:
     return sp.Matrix(rows, cols, lambda i, j: sp.Symbol(f"{name}_{i}_{j}", real=True))
 
 
+#: The environment variable naming the directory of derived sources; set to "" to derive in
+#: every process and save nothing.
+CACHE_ENV = "TYINGSPEC_CACHE_DIR"
+
+
+def cache_dir() -> Path | None:
+    """Where derived sources are saved: ``$TYINGSPEC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/tyingspec/symbolic`` (``~/.cache/...``); None when the variable is
+    set empty."""
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        return Path(env) if env else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tyingspec" / "symbolic"
+
+
+@functools.cache
+def _digest() -> str:
+    """What a saved source was derived by: this module's text and sympy's version."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(sp.__version__.encode())
+    return h.hexdigest()[:16]
+
+
 @functools.cache
 def compiled(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
-    """Compile (once per shape) one position's loss and its gradients as a numpy function.
+    """:func:`derived` for this shape, from its saved source when there is one (see
+    :func:`cache_dir`); a source derived here is saved for the next process.  A saved file
+    that cannot be read or run is derived afresh: the cache is never the reason a check
+    fails."""
+    where = cache_dir()
+    path = None if where is None else \
+        where / f"{_digest()}-{V}x{d}{'-bias' if has_bias else ''}.py"
+    if path is not None and path.is_file():
+        try:
+            namespace = dict(_numpy_namespace())
+            exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), namespace)
+            fn: Callable[..., tuple[Any, ...]] = namespace["_lambdifygenerated"]
+            return fn
+        except Exception:  # noqa: BLE001 - a damaged file: derive, and save over it
+            pass
+    fn = derived(V, d, has_bias)
+    if path is not None:
+        from tyingspec._src.core.files import atomic_write
+
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(str(path), inspect.getsource(fn))
+        except (OSError, TypeError):  # a read-only home, a source sympy did not keep
+            pass
+    return fn
+
+
+@functools.cache
+def _numpy_namespace() -> dict[str, Any]:
+    """The names sympy's numpy printer's code runs with (``exp``, ``log``, ``tanh``, ...)."""
+    return dict(sp.lambdify([], 0, modules="numpy").__globals__)
+
+
+def derived(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
+    """Derive and compile one position's loss and its gradients as a numpy function.
 
     Outputs, flattened: loss, dl/dE_in (V*d), dl/dE_out (V*d), dl/dW (d*d), dl/db (V if bias).
     The one-hot symbols ``p`` (token) and ``y`` (target) may be fed arrays of length N: the

@@ -31,9 +31,11 @@ One observation:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
@@ -76,6 +78,28 @@ Status = Literal["correct", "no_power", "wrong", "adapter_error"]
 #: d=256, N=512 in float32 and float64 on all seven cases (bfloat16 has no power there, with
 #: 64 positions as with 16).
 SECOND_CALL_POSITIONS = 16
+
+#: Who is told the phase an observation is in ("calling", "reference", "judging", "second
+#: call"): a front end's progress line (``front.check``), set around its observations by
+#: :func:`phases_to`; None, nobody.
+_ON_PHASE: ContextVar[Callable[[str], None] | None] = ContextVar("tyingspec_on_phase",
+                                                                 default=None)
+
+
+@contextlib.contextmanager
+def phases_to(report: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, ``report(phase)`` is called as each observation moves on."""
+    token = _ON_PHASE.set(report)
+    try:
+        yield
+    finally:
+        _ON_PHASE.reset(token)
+
+
+def _phase(name: str) -> None:
+    report = _ON_PHASE.get()
+    if report is not None:
+        report(name)
 
 
 @dataclass(frozen=True)
@@ -598,6 +622,7 @@ def _first_made(target: Target, case: Case, **overrides: Any
                 ) -> tuple[Case, Batch, dict[str, Any], Returned, Paths | _Building | None]:
     """Steps 1-2: the first call made (on what was prepared for it while the worker loaded,
     if anything), with its reference if that was prepared too."""
+    _phase("calling")
     prepared = None if overrides else target._prepared.pop(case, None)
     if prepared is not None:
         return (prepared.case, prepared.batch, prepared.inputs,
@@ -642,10 +667,12 @@ def _first_judged(target: Target, case: Case, batch: Batch, inputs: dict[str, An
                   returned: Returned, paths: Paths | _Building | None) -> Observation:
     """Steps 3-5: the first call's reference (unless prepared) and its judgement; a first call
     found wrong is remembered on the target (see :func:`_observe_ahead`)."""
+    _phase("reference")
     if isinstance(paths, _Building):
         paths = paths.result()
     precision, why = judged_precision(target, returned)
     returned, paths = _judged(target, batch, inputs, precision, returned, paths)
+    _phase("judging")
     obs = Observation(case, batch, returned, paths, precision,
                       judge(returned, paths, precision), inputs=inputs, precision_note=why)
     if obs.diagnosis.wrong:
@@ -760,6 +787,7 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
     if after is None:
         return first
     batch, lr, inputs = after
+    _phase("second call")
     return _second_judged(target, first, batch, lr, inputs, _invoke(target, inputs))
 
 
@@ -799,6 +827,7 @@ def _observe_ahead(target: Target, case: Case) -> Observation:
     if first.diagnosis.wrong:
         _drop_answer(worker)
         return first
+    _phase("second call")
     return _second_judged(target, first, *after, worker.collect())
 
 

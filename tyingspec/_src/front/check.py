@@ -1,12 +1,14 @@
 """``tyingspec check``: run a target over seeded cases through the engine, shrink a failure,
-build replay lines."""
+build replay lines; tell a :class:`front.progress.Progress` what it is doing; a quick check
+(``--quick``) stops once each path has had a case with the power to see it."""
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,10 +26,15 @@ from tyingspec._src.engine.observe import (
     Target,
     load,
     observe,
+    phases_to,
     shaped,
 )
 from tyingspec._src.engine.warm import WarmTargets
 from tyingspec._src.front.baseline import EXIT_STATUS, no_power_text
+
+if TYPE_CHECKING:  # annotations only: the picture's module loads when one is asked for
+    from tyingspec._src.front.html import RowProfile
+    from tyingspec._src.front.progress import Progress
 
 #: The target a linear-ce kernel ignores (Liger's and torch's default ignore_index).
 IGNORE_INDEX = -100
@@ -48,6 +55,8 @@ class CaseResult:
     precision: str | None = None  # what it was judged at
     precision_note: str = ""  # why, when not the dtype it returned (see observe.judged_precision)
     shrink_note: str = ""  # why shrinking stopped early, if it did
+    # each row's error and paths over its bound (``--html``), or why they are not drawn
+    rows: RowProfile | str | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         c = self.case
@@ -209,21 +218,33 @@ def result_of(target: Target, obs: Observation, base_seed: int) -> CaseResult:
 
 
 def run_case(target: Target, case: Case, base_seed: int, *, do_shrink: bool = True,
-             shrink_budget: float | ShrinkBudget = DEFAULT_SHRINK_BUDGET) -> CaseResult:
+             shrink_budget: float | ShrinkBudget = DEFAULT_SHRINK_BUDGET,
+             checks: tuple[str, ...] | None = None, progress: Progress | None = None,
+             keep_rows: bool = False) -> CaseResult:
     """Observe one case through the engine; shrink a wrong one to its smallest batch, within
-    the run's :class:`ShrinkBudget` (a number: this case's own budget)."""
+    the run's :class:`ShrinkBudget` (a number: this case's own budget).  ``checks``: the
+    kind's own checks to run (a torch model's, see :data:`QUICK_CHECKS`), else all of them;
+    ``progress`` is told each phase; ``keep_rows`` keeps each row's error for ``--html``."""
     budget = shrink_budget if isinstance(shrink_budget, ShrinkBudget) else ShrinkBudget(
         shrink_budget, share=float("inf"))
     t0 = time.monotonic()
     try:
-        obs = observe(target, case)
+        with phases_to(progress.phase) if progress is not None else contextlib.nullcontext():
+            obs = observe(target, case) if checks is None else \
+                observe(target, case, checks=checks)
     except AdapterError as exc:
         return CaseResult(case, "adapter_error", error=with_hint(str(exc)),
                           replay=replay_command(target, base_seed, case))
     cost = time.monotonic() - t0
     budget.evaluated += cost
     result = result_of(target, obs, base_seed)
+    if keep_rows:
+        from tyingspec._src.front.html import row_profile
+
+        result.rows = row_profile(obs)
     if obs.status == "wrong" and do_shrink and obs.case.N > 1:
+        if progress is not None:
+            progress.phase("shrinking")
         result.shrunk, result.shrink_note = shrink_in_run(target, case, obs, cost, budget)
         if result.shrunk is not None:
             result.replay = replay_command(target, base_seed, result.shrunk)
@@ -260,6 +281,7 @@ class CheckReport:
     load_error: str | None = None
     precision: str = "auto"
     notes: list[str] = field(default_factory=list)
+    quick: Quick | None = None  # a quick check (``--quick``): what it left out
 
     @property
     def verdict(self) -> str:
@@ -336,15 +358,70 @@ class NoPower(CheckFailed):
         super().__init__(report, f"{no_power_text('case')}\n{report.diagnosis}")
 
 
+@dataclass(frozen=True)
+class Quick:
+    """What a quick check ran of the full one: ``run`` of ``total`` cases, and the kind's own
+    checks it ran (None: all of them)."""
+
+    run: int
+    total: int
+    checks: tuple[str, ...] | None
+
+    def text(self) -> str:
+        """The line a report marks a quick check with."""
+        return f"quick: {self.run} of {self.total} cases; not a full check"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cases_run": self.run, "cases_total": self.total,
+                "checks": None if self.checks is None else list(self.checks)}
+
+
+#: The kind's own checks a quick check runs, for kinds whose call runs checks beyond the rows
+#: (``inputs["checks"]``, see ``kinds.torch.adapter.CHECKS``): a torch model's identity and
+#: optimizer checks (batch-independent, run once), its gradient by path and against the
+#: forward (which judges a model whose uses cannot be observed); not the fresh-gradient,
+#: micro-batch and training-step checks, each one or more further passes a case.  A JAX
+#: model's checks are all of this kind, so it runs them all.
+QUICK_CHECKS: dict[str, tuple[str, ...]] = {
+    "torch": ("identity", "optimizer", "gradient", "forward"),
+}
+
+#: What a quick check wants a case with the power to see, one each (``Diagnosis.power``).
+PATHS = ("input_path", "output_path", "duplicates")
+
+
+def _decided(result: CaseResult, seen: set[str]) -> bool:
+    """Whether a quick check can stop after ``result``, ``seen`` the paths its earlier cases
+    had the power to see (updated): a verdict that no later case can take back (a wrong
+    gradient, an adapter error), or every path seen.  A case whose rows are the model's own
+    (a use not observed) and that a check with power vouched for counts for every path."""
+    if result.status in ("wrong", "adapter_error"):
+        return True
+    d = result.diagnosis
+    if d is not None and not d.rows_compared:
+        seen.update(PATHS if result.status == "correct" else ())
+    elif d is not None:
+        seen.update(p for p in PATHS if getattr(d.power, p))
+    return seen >= set(PATHS)
+
+
 def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = None, *,
                  precision: PrecisionChoice = "auto", shrink_budget: float = DEFAULT_SHRINK_BUDGET,
                  on_result: Any = None, timeout: float = DEFAULT_TIMEOUT,
-                 paths: tuple[str, ...] = (), warm: WarmTargets | None = None) -> CheckReport:
+                 paths: tuple[str, ...] = (), warm: WarmTargets | None = None,
+                 progress: Progress | None = None, quick: bool = False,
+                 keep_rows: bool = False) -> CheckReport:
     """Resolve ``spec`` and run it on every case; adapter errors are recorded, the run goes on.
     A ``module:attr`` target runs in a worker process (``paths`` first on its ``sys.path``,
     ``timeout`` seconds per call).  ``on_result(result)`` is called as each case finishes.
     ``cases`` default to the kind's own (a linear-ce kernel's, a torch model's).  With
-    ``warm``, the target is taken from there and left loaded for the next check."""
+    ``warm``, the target is taken from there and left loaded for the next check.
+
+    ``progress`` is told the target's loading, each case's start and end and each phase.
+    ``quick``: the cases run in order until each path (input, output, repeated tokens) has
+    had one with the power to see it, or one is wrong or an adapter error, with the kind's
+    :data:`QUICK_CHECKS`; ``report.quick`` says how many ran of how many.  ``keep_rows``
+    keeps each case's rows for a picture (``front.html``)."""
     report = CheckReport(spec, kind, seed, precision=precision)
     if cases is None:
         from tyingspec._src.kinds.table import kind_spec
@@ -352,6 +429,8 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = Non
         cases = kind_spec(kind).cases(seed)
     if not cases:
         raise UsageError("no case to run, so there is no verdict")
+    if progress is not None:
+        progress.loading(spec)
     try:
         target = load(spec, kind, precision, timeout=timeout, paths=paths, prepare=cases[:1]) \
             if warm is None else warm.get(spec, kind, precision, timeout=timeout, paths=paths,
@@ -378,11 +457,23 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = Non
         # a model's batch shape is its own: a smaller batch is not one it takes
         do_shrink = not target.table.own_shape
         budget = ShrinkBudget(shrink_budget)
-        for case in cases:
-            result = run_case(target, case, seed, shrink_budget=budget, do_shrink=do_shrink)
+        checks = QUICK_CHECKS.get(target.kind) if quick else None
+        seen: set[str] = set()
+        for index, case in enumerate(cases, 1):
+            if progress is not None:
+                progress.case_started(case.name, index, len(cases))
+            t0 = time.monotonic()
+            result = run_case(target, case, seed, shrink_budget=budget, do_shrink=do_shrink,
+                              checks=checks, progress=progress, keep_rows=keep_rows)
+            if progress is not None:
+                progress.case_ended(result.status, time.monotonic() - t0)
             report.results.append(result)
             if on_result is not None:
                 on_result(result)
+            if quick and _decided(result, seen):
+                break
+        if quick:
+            report.quick = Quick(len(report.results), len(cases), checks)
     finally:
         if warm is None:
             target.close()

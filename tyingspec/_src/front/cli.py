@@ -1,4 +1,5 @@
-"""The ``tyingspec`` command line: ``check``, ``mutants`` and ``reproduce``."""
+"""The ``tyingspec`` command line: ``check``, ``mutants``, ``reproduce``, ``ckpt`` and
+``explain``."""
 
 from __future__ import annotations
 
@@ -91,6 +92,18 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "(FILE is created when missing)")
     p.add_argument("--update-baseline", action="store_true",
                    help="rewrite --baseline FILE with this run's verdicts")
+    p.add_argument("--quick", action="store_true",
+                   help="an editor loop's check: the cases in order until each path (input, "
+                        "output, repeated tokens) has had one with the power to see it, and "
+                        "for --kind torch the identity, optimizer, by-path and forward checks "
+                        "only; the report says 'quick: N of M cases; not a full check'")
+    p.add_argument("--html", metavar="PATH",
+                   help="draw each case's rows (absent / present / repeated, error over the "
+                        "bound, each path) into a self-contained HTML file, and a PNG beside "
+                        "it when matplotlib is installed")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (by default a run that lasts more than a couple "
+                        "of seconds shows its case, phase and seconds there)")
 
 
 def _configure_reproduce(p: argparse.ArgumentParser) -> None:
@@ -111,6 +124,12 @@ def _configure_ckpt(p: argparse.ArgumentParser) -> None:
     configure_parser(p)
 
 
+def _configure_explain(p: argparse.ArgumentParser) -> None:
+    from tyingspec._src.front.explain import configure_parser
+
+    configure_parser(p)
+
+
 #: The subcommands other than ``check``: (name, help, description, what adds its arguments).
 _COMMANDS: tuple[tuple[str, str, str | None, Callable[[argparse.ArgumentParser], None]], ...] = (
     ("reproduce", "re-derive the weight-tying write-up's experiments", None,
@@ -121,6 +140,9 @@ _COMMANDS: tuple[tuple[str, str, str | None, Callable[[argparse.ArgumentParser],
     ("ckpt", "inspect a checkpoint's tie; convert tied <-> untied",
      "inspect FILE: how the embedding and head are stored; convert IN OUT --to tied|untied "
      "--policy ...: rewrite it.", _configure_ckpt),
+    ("explain", "what a diagnosis label means, where to look, and a built-in that shows it",
+     "explain LABEL: the label's row of the README's table and a built-in that reaches it; "
+     "explain: every label.", _configure_explain),
 )
 
 
@@ -228,13 +250,17 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Every flag that would do nothing here is a usage error, not a silent exit 0.
     if args.list:
         given = [f for f, v in (("TARGET", args.target), ("--baseline", args.baseline),
-                                ("--json", args.json), ("--case", args.case)) if v is not None]
+                                ("--json", args.json), ("--case", args.case),
+                                ("--html", args.html)) if v is not None]
         if given:
             parser.error(f"--list prints the built-ins and cases and runs nothing; it takes no "
                          f"{', '.join(given)}")
         return _list()
     if args.update_baseline and args.baseline is None:
         parser.error("--update-baseline needs --baseline FILE")
+    if args.update_baseline and args.quick:
+        # a baseline recorded from the cases a quick check ran would call the rest MISSING
+        parser.error("--update-baseline records a full check's verdicts; drop --quick")
     if args.baseline is not None and args.target is None:
         parser.error("--baseline gates a TARGET's cases; name the target to check")
     try:
@@ -243,12 +269,16 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             args.json = usable_output("--json", args.json)
         if args.baseline is not None:
             args.baseline = usable_output("--baseline", args.baseline)
-        check_distinct({"--baseline": args.baseline, "--json": args.json})
+        if args.html is not None:
+            args.html = usable_output("--html", args.html)
+        check_distinct({"--baseline": args.baseline, "--json": args.json, "--html": args.html})
     except OutputError as exc:
         parser.error(str(exc))
     if args.target is None:
         if args.case or args.tokens or args.targets:
             parser.error("--case/--tokens/--targets need a TARGET")
+        if args.quick or args.html:
+            parser.error("--quick and --html check a TARGET; name the target to check")
         from tyingspec._src.front.demo import render_demo, run_demo
 
         demo = run_demo(args.seed)
@@ -343,15 +373,26 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return seen[0]
 
     print(render_head(args.target, args.kind, args.seed, args.precision, notes), flush=True)
-    # Like `python -m` and uvicorn: a `module:attr` target is looked up from the current
-    # directory, in the worker process that imports it (tyingspec's own imports never are).
-    report = check_target(args.target, args.kind, args.seed, cases, precision=args.precision,
-                          shrink_budget=args.shrink_budget,
-                          timeout=COMPILE_TIMEOUT if args.compile and
-                          args.timeout == DEFAULT_TIMEOUT else args.timeout,
-                          paths=target_paths(),
-                          on_result=lambda r: print("\n".join(render_case(
-                              r, structural=r is report_first(r))), flush=True))
+    from tyingspec._src.core.render import terminal_width
+    from tyingspec._src.front.progress import Progress
+
+    width = terminal_width()
+    progress = None if args.quiet else Progress(sys.stderr)
+    try:
+        # Like `python -m` and uvicorn: a `module:attr` target is looked up from the current
+        # directory, in the worker process that imports it (tyingspec's own imports never are).
+        report = check_target(args.target, args.kind, args.seed, cases,
+                              precision=args.precision, shrink_budget=args.shrink_budget,
+                              timeout=COMPILE_TIMEOUT if args.compile and
+                              args.timeout == DEFAULT_TIMEOUT else args.timeout,
+                              paths=target_paths(), progress=progress, quick=args.quick,
+                              keep_rows=args.html is not None,
+                              on_result=lambda r: print("\n".join(render_case(
+                                  r, structural=r is report_first(r), width=width)),
+                                  flush=True))
+    finally:
+        if progress is not None:
+            progress.close()
     if report.notes:  # what the target itself decided (a torch model's shape)
         print("\n".join(report.notes), flush=True)
     report.notes = notes + report.notes
@@ -359,6 +400,15 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"error: {report.load_error}")
     print(render_verdict(report), flush=True)
     code = report.exit_code
+    if args.html:
+        from tyingspec._src.front.html import write as write_html
+
+        try:
+            print("\n".join(write_html(report, args.html)), flush=True)
+        except OSError as exc:
+            print(f"tyingspec: the picture {args.html} was not written ({type(exc).__name__}: "
+                  f"{exc}); the results above stand", file=sys.stderr)
+            code = max(code, EXIT_USAGE)
     baseline: dict[str, object] | None = None
     if args.baseline:
         from tyingspec._src.front.baseline import apply_check_baseline
@@ -446,6 +496,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from tyingspec._src.reproduce import run
 
         return run(args)
+    if args.command == "explain":
+        from tyingspec._src.front.explain import run as explain
+
+        return explain(args)
     parser.print_help()
     return EXIT_USAGE
 

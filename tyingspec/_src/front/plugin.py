@@ -5,6 +5,7 @@
     pytest --tyingspec-adapter=mypkg.grads:tied_model [--tyingspec-kind=model|kernel]
            [--tyingspec-profile=dev|ci|thorough] [-n auto]
            [--tyingspec-baseline=FILE [--tyingspec-update-baseline]] [--tyingspec-summary=FILE]
+           [--tyingspec-html=FILE]
 
 Without ``--tyingspec-adapter`` the plugin does nothing: it is installed into every pytest run
 of anyone who installs tyingspec.  This module imports only the standard library and pytest;
@@ -17,6 +18,10 @@ returns a module collector (node id ``tyingspec``) whose object is built by
 in sorted order.  Every process (the controller and each xdist worker) parses the same command
 line and builds the same ids in the same order; the adapter travels as its ``module:attr``
 string and is resolved in each process.
+
+Progress: the controller writes a line when each property starts and when it ends, with its
+verdict and seconds (under ``-n`` the workers' own output is captured, but xdist forwards each
+test's start and reports to the controller); ``pytest -q`` leaves them out.
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ def _replay(text: str) -> str:
 #: job passed); :func:`_once` refuses two different values as a usage error.
 VALUED = ("tyingspec_adapter", "tyingspec_kind", "tyingspec_precision", "tyingspec_timeout",
           "tyingspec_profile", "tyingspec_max_examples", "tyingspec_baseline",
-          "tyingspec_summary", "tyingspec_replay")
+          "tyingspec_summary", "tyingspec_replay", "tyingspec_html")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -146,6 +151,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "diagnosis) to FILE, e.g. $GITHUB_STEP_SUMMARY")
     group.addoption("--tyingspec-replay", metavar="CASE", type=_replay, **once,
                     help="run one property on one batch, as printed by a failure's replay line")
+    group.addoption("--tyingspec-html", metavar="FILE", type=_file, **once,
+                    help="after the properties, run `tyingspec check`'s cases once and draw "
+                         "their rows into FILE (HTML, and a PNG beside it with matplotlib); "
+                         "--tyingspec-summary links it")
 
 
 def _once(config: pytest.Config, dest: str) -> Any:
@@ -192,6 +201,7 @@ class Options:
     precision: str = "auto"
     timeout: float = DEFAULT_TIMEOUT
     paths: tuple[str, ...] = ()
+    html: str | None = None  # --tyingspec-html FILE
 
     def command(self, *extra: str) -> str:
         """A pytest command line that reruns the property suite with these options."""
@@ -208,7 +218,8 @@ def _options(config: pytest.Config) -> Options | None:
     if adapter is None:
         stray = [f"--{n.replace('_', '-')}" for n in
                  ("tyingspec_profile", "tyingspec_max_examples", "tyingspec_baseline",
-                  "tyingspec_summary", "tyingspec_replay") if value[n] is not None]
+                  "tyingspec_summary", "tyingspec_replay", "tyingspec_html")
+                 if value[n] is not None]
         stray += ["--tyingspec-update-baseline"] if update_baseline else []
         if stray:
             raise pytest.UsageError(f"{', '.join(stray)} given without --tyingspec-adapter; "
@@ -222,6 +233,7 @@ def _options(config: pytest.Config) -> Options | None:
     try:
         check_distinct({"--tyingspec-baseline": value["tyingspec_baseline"],
                          "--tyingspec-summary": value["tyingspec_summary"],
+                         "--tyingspec-html": value["tyingspec_html"],
                          "--junitxml": config.getoption("xmlpath", None)})
     except OutputError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -233,7 +245,8 @@ def _options(config: pytest.Config) -> Options | None:
     return Options(adapter, kind, profile, value["tyingspec_max_examples"],
                    value["tyingspec_baseline"], update_baseline, value["tyingspec_summary"],
                    value["tyingspec_replay"], precision,
-                   DEFAULT_TIMEOUT if timeout is None else timeout, _import_paths(config))
+                   DEFAULT_TIMEOUT if timeout is None else timeout, _import_paths(config),
+                   value["tyingspec_html"])
 
 
 def _require_extras(adapter: str, kind: str, precision: str) -> None:
@@ -545,6 +558,7 @@ class _Controller:
     gate_lines: list[str] = field(default_factory=list)
     regressed: bool = False  # the gate failed the run (the section below gate_title says why)
     gate_title: str = "tyingspec baseline REGRESSION"
+    html_lines: list[str] = field(default_factory=list)  # where --tyingspec-html drew the rows
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         from tyingspec._src.core.adapters import AdapterError
@@ -587,6 +601,27 @@ class _Controller:
             except BaselineError as exc:
                 raise pytest.UsageError(f"--tyingspec-baseline: {exc}") from None
 
+    # -- progress: a line per property as it starts and ends (the controller sees both, also
+    # under xdist, whose workers' own output is captured)
+
+    def _say(self, text: str) -> None:
+        if self.config.get_verbosity() < 0:  # pytest -q
+            return
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is None:
+            return
+        # pytest's progress dots leave the line open: ours starts a line of its own
+        tr.ensure_newline()
+        tw = getattr(tr, "_tw", None)
+        if getattr(tw, "width_of_current_line", 0):
+            tw.line()  # type: ignore[union-attr]
+        tr.write_line(text)
+
+    def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]
+                                ) -> None:
+        if nodeid.startswith(TEST_PREFIX):
+            self._say(f"tyingspec: property {nodeid[len(TEST_PREFIX):]} started")
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not report.nodeid.startswith(TEST_PREFIX):
             return
@@ -596,6 +631,10 @@ class _Controller:
         status = _status(report, label)
         if status is None:
             return
+        if report.when == "call" or report.outcome != "passed":
+            said = status.replace("_", " ") + ("" if status == "passed" or label in ("", status)
+                                               else f" ({label})")
+            self._say(f"tyingspec: property {name} {said} in {report.duration:.1f} s")
         seen = self.verdicts.get(name)
         if seen is not None and seen.status in ("failed", "adapter_error", "error"):
             return  # the first failing phase decides; a later teardown does not hide it
@@ -649,6 +688,8 @@ class _Controller:
                             self.gate_title = "tyingspec baseline MISSING"
                         session.testsfailed += max(1, len(result.regressions))
         verdict = self._run_verdict()
+        if self.opts.html is not None:
+            self.html_lines = self._draw(self.opts.html)
         if self.opts.summary is not None:
             rows = [(n, v.invariant, v.status, v.diagnosis or ("" if v.status == "passed"
                                                                 else v.label))
@@ -656,6 +697,13 @@ class _Controller:
             title = f"tyingspec: `{self.opts.adapter}` ({self.opts.kind}, {self.opts.profile})" \
                 + (f": {verdict}" if verdict else "")
             text = summary_markdown(title, rows, self.gate_lines or None)
+            if self.html_lines:
+                drawn = [line.split(": ", 1)[1] for line in self.html_lines
+                         if line.startswith("rows drawn: ")]
+                text += "\n" + "\n".join(
+                    [f"Rows drawn by `tyingspec check`: [{Path(f).name}]({f})" for f in drawn]
+                    + [f"- {line}" for line in self.html_lines
+                       if not line.startswith("rows drawn: ")]) + "\n"
             from tyingspec._src.core.files import append_text
 
             capture = self.config.pluginmanager.get_plugin("capturemanager")
@@ -669,6 +717,22 @@ class _Controller:
                     append_text(self.opts.summary, text)
             except OSError as exc:
                 self.gate_lines.append(f"summary {self.opts.summary} cannot be written: {exc}")
+
+    def _draw(self, path: str) -> list[str]:
+        """``tyingspec check``'s cases run once on the adapter (seed 0), their rows drawn into
+        ``path`` (see ``front.html``): the lines that say where, or why not."""
+        from tyingspec._src.core.options import UsageError
+        from tyingspec._src.front.check import check_target
+        from tyingspec._src.front.html import write
+
+        try:
+            report = check_target(self.opts.adapter, self.opts.kind, 0,
+                                  precision=self.opts.precision,  # type: ignore[arg-type]
+                                  timeout=self.opts.timeout, paths=self.opts.paths,
+                                  keep_rows=True)
+            return write(report, path)
+        except (UsageError, OSError) as exc:
+            return [f"rows not drawn into {path}: {exc}"]
 
     def _run_verdict(self) -> str:
         """``wrong (label)`` when properties failed on the gradient: the label their examples'
@@ -725,6 +789,8 @@ class _Controller:
             tr.line("invariants:")
             for code, text in codes:
                 tr.line(f"  {'[' + code + ']':<{inv_width}}  {text}")
+        for line in self.html_lines:
+            tr.line(line)
         if self.regressed:
             tr.section(self.gate_title, sep="!", red=True, bold=True)
             for line in self.gate_lines:

@@ -6,7 +6,8 @@ JSON schema ``tyingspec.check/1`` (documented in the README)::
      "exit_code", "load_error", "cases": [{"name", "seed", "V", "d", "N", "res", "s_in", "bias",
        "dtype", "status", "stage", "label", "detail", "rows_total", "rows_wrong", "rows_exact",
        "wrong_rows", "max_abs_error", "max_rel_error", "power", "rows_compared", "error",
-       "mutated_inputs", "smallest_batch", "replay", "diagnosis"}]}
+       "mutated_inputs", "smallest_batch", "replay", "diagnosis"}],
+     "quick": null or {"cases_run", "cases_total", "checks"}}
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tyingspec._src.core.render import (
     power_text,
     projected_text,
     rows_text,
+    wrapped,
 )
 
 if TYPE_CHECKING:  # annotations only: the check module renders through this one
@@ -36,9 +38,13 @@ __all__ = ["SCHEMA", "as_json", "exact_cell", "render", "render_case", "rows_tex
 SCHEMA = "tyingspec.check/1"
 
 
-def render_case(r: CaseResult, *, structural: bool = True) -> list[str]:
+def render_case(r: CaseResult, *, structural: bool = True, width: int | None = None
+                ) -> list[str]:
     """A case's lines; ``structural=False`` leaves out batch-independent checks (a torch
-    model's identity and optimizer checks, run once) that an earlier case already listed."""
+    model's identity and optimizer checks, run once) that an earlier case already listed.
+    With ``width``, the diagnosis is wrapped to it (the batch and the replay command are
+    left whole, to be copied).  A case that had no power to decide has no replay line: there
+    is no failure to replay."""
     head = {"correct": "ok", "no_power": "NO POWER", "wrong": "WRONG",
             "adapter_error": "ADAPTER ERROR"}[r.status]
     lines = [f"case {r.case.name} ({r.case.describe()}): {head}"]
@@ -56,13 +62,15 @@ def render_case(r: CaseResult, *, structural: bool = True) -> list[str]:
                      f"  {power_text(d)}; judged at {d.precision}{why}, worst row "
                      f"{d.margin:.3g}x its rounding bound{projected_text(d)}")
         lines += finding_lines(d, structural=structural)
+    if width is not None:
+        lines = wrapped(lines, width)
     if r.shrunk is not None:
         lines.append(f"  smallest failing batch: tokens={list(r.shrunk.tokens or ())} "
                      f"targets={list(r.shrunk.targets or ())}"
                      + (f" ({r.shrink_note})" if r.shrink_note else ""))
     elif r.shrink_note:
         lines.append(f"  {r.shrink_note}")
-    if r.status != "correct":
+    if r.status in ("wrong", "adapter_error"):
         lines.append(f"  replay: {r.replay}")
     return lines
 
@@ -85,16 +93,19 @@ def render_verdict(report: CheckReport) -> str:
         from tyingspec._src.front.baseline import no_power_text
 
         line += f"; {no_power_text('case')}"
+    if report.quick is not None:  # partial: said on the line a CI log is read by
+        line += f"; {report.quick.text()}"
     return line
 
 
-def render(report: CheckReport) -> str:
+def render(report: CheckReport, width: int | None = None) -> str:
+    """The whole report, its diagnoses wrapped to ``width`` (None: lines left whole)."""
     lines = [render_head(report.target, report.kind, report.seed, report.precision,
                          report.notes)]
     if report.load_error:
         lines.append(f"error: {report.load_error}")
     for r in report.results:
-        lines += render_case(r)
+        lines += render_case(r, width=width)
     lines.append(render_verdict(report))
     return "\n".join(lines)
 
@@ -122,6 +133,7 @@ def as_json(report: CheckReport) -> dict[str, Any]:
         "precision": report.precision,
         "load_error": report.load_error,
         "cases": [r.as_dict() for r in report.results],
+        "quick": None if report.quick is None else report.quick.as_dict(),
     })
     return payload
 
