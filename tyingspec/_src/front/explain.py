@@ -27,7 +27,7 @@ TABLE: dict[str, tuple[str, str]] = {
         " so it is not counted as a pass; wrong rows on such an example get `unknown`, never a "
         "path label",
         "nothing, when other cases are correct (the run still exits 0). A run in which no case "
-        "had the power exits 6, neither a pass nor a wrong gradient: a model that computes in "
+        "had the power exits 77, neither a pass nor a wrong gradient: a model that computes in "
         "bfloat16 throughout cannot be judged, so check a float32 build (`--precision float32`, "
         "or its config's dtype set to float32)"),
     "precision_limited": (
@@ -187,6 +187,15 @@ TABLE: dict[str, tuple[str, str]] = {
         "the copies are not equal at start, or not after the optimizer step",
         "the last stage's initialisation (copy the first stage's E to it before training), "
         "per-stage optimizer settings or weight decay"),
+    "padded_lanes_in_lse": (
+        "the vocabulary lanes past V in the kernel's last block enter every token's logsumexp "
+        "(the lanes are named)",
+        "the mask of the padded lanes: a `-inf` that a softcap turns into `-softcap`, or lanes "
+        "loaded as 0 (Liger up to 0.8.0, Unsloth before PR #10616): mask after the softcap"),
+    "option_ignored": (
+        "the kernel takes an option, but its loss and gradients are the option-off ones",
+        "the option's path: a keyword accepted (`**kwargs`) and never read (Liger 0.2.0's "
+        "`label_smoothing`)"),
     "n/a": (
         "not a label: a power or a check that does not apply to this case (`duplicates n/a`: the "
         "batch repeats no token)",
@@ -196,7 +205,7 @@ TABLE: dict[str, tuple[str, str]] = {
 
 #: A command that shows a label no built-in reaches by itself: (built-in, kind, flags).
 _BY_HAND: dict[str, tuple[str, str, str]] = {
-    "no_power": ("tied", "model", "--case v-equals-1"),  # V = 1: nothing to tell apart (exit 6)
+    "no_power": ("tied", "model", "--case v-equals-1"),  # V = 1: nothing to tell apart (exit 77)
 }
 
 
@@ -220,6 +229,12 @@ _SNIPPETS: dict[str, tuple[str, ...]] = {
         "np.add.at(dE, tokens, dx)                # dx[tokens == P] = 0 before the scatter"),
     "padding_idx_on_real_token": (
         "emb = nn.Embedding(V, d, padding_idx=0)  # token 0 is a real token of the batch",),
+    "padded_lanes_in_lse": (
+        "x = tl.load(logits + offs, mask=offs < V, other=float('-inf'))",
+        "x = softcap * tanh(x / softcap)  # the padded lanes' -inf becomes -softcap: mask after"),
+    "option_ignored": (
+        "def __init__(self, **kwargs):  # label_smoothing=0.1 accepted ...",
+        "    self.reduction = kwargs.get('reduction', 'mean')  # ... and never read"),
     "loss_misnormalised": (
         "loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction='sum') / B",
         "# divided by the B sequences, not the B * T tokens"),
