@@ -1,11 +1,12 @@
 """A run in which nothing had the power to decide exits with a status of its own (issue 50 §5).
 
-Exit 1 means a wrong gradient and nothing else.  A correct gradient judged where no case could
+Exit 1 means a wrong gradient and nothing else. A correct gradient judged where no case could
 have told it from one with a path dropped (the probe model at ``--precision bfloat16``) is
 neither that nor a pass: ``tyingspec check`` exits ``EXIT_NO_POWER`` (77, automake's "could not
 decide", clear of pytest's own statuses, so the plugin's run exits with the same status), the
-API says ``verdict == "no_power"`` and raises ``NoPower``, and the plugin's run exits 77 with a summary that says no property had
-the power.  A run in which some cases decided and the rest had no power passes, as before."""
+API says ``verdict == "no_power"`` and raises ``NoPower``, and the plugin's run exits 77 with a
+summary that says no property had the power. A run in which some cases decided and the rest had
+no power passes, as before."""
 
 from __future__ import annotations
 
