@@ -5,7 +5,8 @@ thing as a released kernel had it: an option taken and ignored (Liger 0.2.0's
 ``label_smoothing``), ``reduction='none'`` returning the sum (Liger #488), padded vocabulary
 lanes in the logsumexp (Liger up to 0.8.0's softcap), a constructor that takes ``**kwargs``
 (Liger up to 0.4) or asserts ``reduction`` in mean/sum (Liger 0.6.2), a low-precision branch
-that drops the logit scale, and one that computes in float32 and hands back float64.
+that drops the logit scale, and one that computes in float32 and hands back float64; and
+Liger's padded lanes again as a torch kernel that runs in bfloat16 and float16.
 """
 
 from __future__ import annotations
@@ -104,6 +105,39 @@ def half_drops_scale(ignore_index: int = -100, reduction: str = "mean",
                      logit_scale: float = 1.0) -> nn.Module:
     return _half_drops_scale()(ignore_index=ignore_index, reduction=reduction,
                                logit_scale=logit_scale)
+
+
+def _padded_lanes_torch() -> type[nn.Module]:
+    base: Any = _torch_classes()["ChunkedLinearCE"]
+
+    class PaddedLanesTorch(base):  # type: ignore[misc, valid-type]
+        """The zoo's correct torch kernel with Liger's softcap slip in every dtype: the
+        logits walked in one block of the next power of two of V lanes (at least 16), the
+        lanes past V loaded as -inf and softcapped to -softcap, so they enter every token's
+        logsumexp; computed in the dtype it is handed (bfloat16, float16 too)."""
+
+        def row_losses(self, u: torch.Tensor, y: torch.Tensor,
+                       t: torch.Tensor) -> torch.Tensor:
+            c = self.softcap
+            if c is None:
+                return super().row_losses(u, y, t)  # type: ignore[no-any-return]
+            V = u.shape[-1]
+            block = 1 << max(4, (V - 1).bit_length())
+            a = torch.cat([u * self.logit_scale,
+                           u.new_full((u.shape[0], block - V), float("-inf"))], dim=-1)
+            z = c * torch.tanh(a / c)
+            lse = torch.logsumexp(z, dim=-1)
+            zy = z.gather(1, y[:, None])[:, 0]
+            eps = self.label_smoothing
+            return t * (lse - (1 - eps) * zy - eps * z[:, :V].mean(dim=-1))
+
+    return PaddedLanesTorch
+
+
+def padded_lanes_torch(ignore_index: int = -100, reduction: str = "mean",
+                       softcap: float | None = None) -> nn.Module:
+    return _padded_lanes_torch()(ignore_index=ignore_index, reduction=reduction,
+                                 softcap=softcap)
 
 
 class Float32Inside(nn.Module):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tyingspec._src.core.cases import at_shape
+from tyingspec._src.front.baseline import EXIT_NO_POWER
 from tyingspec._src.front.check import CheckReport, check_target
 from tyingspec._src.kinds.linear_ce import kind
 from tyingspec._src.kinds.linear_ce.adapter import supported
@@ -96,7 +97,8 @@ def test_every_option_runs_in_every_low_precision() -> None:
     for name in kind.OPTION_CASES:
         for dtype in kind.LOW_DTYPES:
             twin = CASES[f"{name}-{dtype}"]
-            assert twin.dtype == dtype and twin.N == CASES[name].N
+            assert twin.dtype == dtype
+            assert twin.N == kind.LOW_SHAPES.get(name, {}).get("N", CASES[name].N)
             assert set(kind.ce_options(twin.ce)) == set(kind.ce_options(CASES[name].ce))
     got = by_case(run("half_drops_scale", "ce-logit-scale", "ce-logit-scale-bfloat16",
                       "ce-logit-scale-float16"))
@@ -107,15 +109,52 @@ def test_every_option_runs_in_every_low_precision() -> None:
 
 
 def test_a_low_precision_case_blind_to_a_known_bug_says_so() -> None:
-    """At bfloat16 padded lanes' error lies within the bound of the softcap case: the correct
-    kernel is no_power there, naming the bug, never a plain pass."""
-    report = check_target("ce-torch", "linear-ce", 0,
-                          [CASES["ce-softcap"], CASES["ce-softcap-bfloat16"]])
-    got = by_case(report)
-    assert got["ce-softcap"][0] == "correct"
-    status, text = got["ce-softcap-bfloat16"]
+    """The float64 softcap case judged at bfloat16 (``--precision bfloat16``): at V = 37 and
+    softcap 2 padded lanes shift the lse by 0.04, inside the lse bound as well as the rows',
+    so the correct kernel is no_power there, naming the bug, never a plain pass."""
+    report = check_target("ce-torch", "linear-ce", 0, [CASES["ce-softcap"]],
+                          precision="bfloat16")
+    status, text = by_case(report)["ce-softcap"]
     assert status == "no_power" and "padded_lanes_in_lse" in text, text
-    assert report.exit_code == 0
+    assert report.exit_code == EXIT_NO_POWER  # never a pass
+
+
+@pytest.mark.parametrize("dtype", kind.LOW_DTYPES)
+def test_padded_lanes_are_caught_in_each_low_precision_and_a_correct_kernel_has_power(
+        dtype: str) -> None:
+    """The softcap's low-precision cases, at a vocabulary, softcap and logit spread where the
+    padded lanes' shift of every token's lse is several times the lse bound: the correct
+    kernel is correct there (not no_power), and a kernel with the lanes in its logsumexp, in
+    that dtype, is named, with its lanes."""
+    case = CASES[f"ce-softcap-{dtype}"]
+    correct = check_target("ce-torch", "linear-ce", 0, [case], shrink_budget=0)
+    assert correct.results[0].status == "correct", by_case(correct)
+    padded = run("padded_lanes_torch", case.name)
+    status, text = by_case(padded)[case.name]
+    assert status == "wrong" and text.startswith("padded_lanes_in_lse"), text
+    assert "7 more logits of -0.15" in text and "lanes 9..15" in text, text
+    assert padded.exit_code == 1
+
+
+def test_the_lse_bound_holds_a_correct_kernel_and_tells_the_lanes() -> None:
+    """The lse bound on the bfloat16 softcap case: the correct loss inside it, the padded
+    lanes' more than twice it away; at the float64 case's V = 37, softcap 2, it cannot."""
+    from tyingspec._src.core.cases import build
+    from tyingspec._src.kinds.linear_ce.reference import linear_ce
+
+    for name, tells in (("ce-softcap-bfloat16", True), ("ce-softcap", False)):
+        batch = build(CASES[name])
+        args = (kind.inputs(batch)["h"], batch.E, batch.targets, batch.b,
+                kind.options_of(batch), batch.grad_output)
+        bound = kind.lse_bound(args, "bfloat16")
+        assert bound is not None
+        ref = linear_ce(*args, dtype="float64")
+        V = batch.E.shape[0]
+        lanes = (1 << max(4, (V - 1).bit_length())) - V
+        padded = linear_ce(*args, dtype="float64", lanes=(lanes, -args[4].softcap))
+        shift = abs(float(padded.loss) - float(ref.loss))
+        assert shift > 0
+        assert kind._lse_tells(padded, ref, bound) is tells, (name, shift, float(bound))
 
 
 def test_the_low_precision_option_cases_have_power_where_a_value_restores_it() -> None:

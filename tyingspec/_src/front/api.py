@@ -39,10 +39,10 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
     seeded cases (``case`` picks one of them by name); ``paths`` (default: the current
     directory) go first on the worker's ``sys.path``.  ``shape=(V, d, N)``, ``autocast=`` and
     ``compile=`` are ``--shape``, ``--autocast`` and ``--compile`` (``compile=True``: torch's
-    default backend); ``device="cuda"`` is ``--device cuda`` (``--kind linear-ce``).  Bad
-    input raises ``ValueError`` (a ``UsageError`` where the command line exits 2) naming what
-    is wrong; an adapter that cannot be loaded or called is in the report (``verdict ==
-    "adapter_error"``), never an exception from here."""
+    default backend); ``device="cuda"`` is ``--device cuda`` (``--kind linear-ce`` and
+    ``--kind torch``).  Bad input raises ``ValueError`` (a ``UsageError`` where the command
+    line exits 2) naming what is wrong; an adapter that cannot be loaded or called is in the
+    report (``verdict == "adapter_error"``), never an exception from here."""
     from tyingspec._src.front.cli import _builtin_kind
     from tyingspec._src.kinds.table import kind_spec
 

@@ -65,8 +65,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "twin's uses")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="--kind linear-ce: run the kernel on this device (default cpu, where a "
-                        "Triton kernel runs under the Triton interpreter); its outputs are "
-                        "judged on the CPU")
+                        "Triton kernel runs under the Triton interpreter); --kind torch: the "
+                        "model and its batches; judged on the CPU either way (exit 2 where "
+                        "torch sees no such device)")
     p.add_argument("--padding-idx", type=int, default=None, metavar="P",
                    help="a model kind adapter with nn.Embedding(padding_idx=P) semantics: it is "
                         "passed padding_idx=P, and the input path is expected to skip row P "

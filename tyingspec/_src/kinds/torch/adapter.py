@@ -42,7 +42,7 @@ from tyingspec._src.core.forward_check import AGAINST as _AGAINST
 from tyingspec._src.core.forward_check import judge_against_forward
 from tyingspec._src.core.process_state import torch_state_kept
 from tyingspec._src.core.tolerance import UNIT_ROUNDOFF, Precision, precision_of, unit_of
-from tyingspec._src.kinds.torch.batch import TorchBatch, make_batch
+from tyingspec._src.kinds.torch.batch import TorchBatch, make_batch, model_device
 from tyingspec._src.kinds.torch.discover import (
     Loss,
     Tie,
@@ -207,7 +207,34 @@ def _setting(spec: str, inputs: Mapping[str, Any], target: TorchTarget) -> Setti
         # compiled code draws its own random numbers (philox), so an eager twin's dropout
         # masks are not its masks: compiled checks run without dropout
         setting = replace(setting, dropout=False)
+    if target.device:
+        if setting.device and setting.device != target.device:
+            raise AdapterError(spec, "two devices asked for", key="device",
+                               expected=f"--device {setting.device}",
+                               got=f"TorchTarget(device={target.device!r})")
+        setting = replace(setting, device=str(target.device))
+    if setting.device:
+        _usable(spec, setting.device)
     return setting
+
+
+def _usable(spec: str, device: str) -> None:
+    """An adapter error unless torch can place a tensor on ``device`` (naming the device and
+    torch's version, as ``--kind linear-ce`` does): never a silent run on the CPU."""
+    if device.partition(":")[0] == "cuda" and not torch.cuda.is_available():
+        raise AdapterError(spec, f"--device {device}: torch sees no CUDA device here",
+                           key="device", expected="torch.cuda.is_available()",
+                           got=f"False (torch {torch.__version__})")
+    if device.partition(":")[0] == "meta":  # shapes without values: no gradient to judge
+        raise AdapterError(spec, f"--device {device}: the meta device holds no values",
+                           key="device", expected="a device that computes (cpu, cuda, ...)",
+                           got=device)
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:  # noqa: BLE001  (a device name torch refuses, or one it lacks)
+        raise AdapterError(spec, f"--device {device}: torch cannot place a tensor there",
+                           key="device", expected=f"a device torch {torch.__version__} has",
+                           got=f"{type(exc).__name__}: {exc}") from None
 
 
 def _configuration(tie: Tie, setting: Setting, batch: TorchBatch, path: str,
@@ -229,6 +256,8 @@ def _configuration(tie: Tie, setting: Setting, batch: TorchBatch, path: str,
         parts.append(f"autocast {setting.autocast}")
     if setting.compile:
         parts.append(f"torch.compile ({setting.compile})")
+    if setting.device:
+        parts.append(f"on {setting.device}, judged on the CPU")
     return passed("configuration", "the case trains as the model trains: its context, "
                   "padding, masks, loss path, dropout, accumulation and steps", "; ".join(parts))
 
@@ -302,6 +331,8 @@ class Build:
             except Exception:  # noqa: BLE001  (a model that cannot convert keeps its own)
                 if dtype is not None:
                     raise
+        if self.setting.device:
+            model = model.to(self.setting.device)  # after any dtype conversion, as users do
         if self.dtype is None:
             self.dtype = _float_dtype(model)
         keep = self.setting.dropout if dropout is None else dropout
@@ -398,7 +429,7 @@ def _scalar(spec: str, loss_of: Loss, seed: int,
         torch.manual_seed(seed + 1)
         try:
             if low is not None:
-                with torch.autocast("cpu", dtype=low):
+                with torch.autocast(model_device(m).type, dtype=low):
                     loss = loss_of(m, b)
             else:
                 loss = loss_of(m, b)
@@ -518,7 +549,7 @@ def _own_loss(build: Build, tie: Tie, path: str, b: TorchBatch) -> Finding:
             loss, logits = _loss_and_logits(m, tie, path, b)
         except Exception as exc:  # noqa: BLE001  (the forward's own errors show elsewhere)
             return not_applicable(check, _MEAN_CE, f"the forward raised {exc!r}"[:200])
-    y = b.targets
+    y = b.targets.to(logits.device) if logits is not None else b.targets
     if loss is None or logits is None or logits.shape[:-1] != y.shape:
         return not_applicable(check, _MEAN_CE, "the model returns no logits beside its loss")
     z = logits.detach().double()
@@ -760,7 +791,7 @@ def _differenced(m: nn.Module, loss_dtype: torch.dtype | None, dtype: torch.dtyp
         with torch.no_grad():
             saved = E[idx].clone()
             E[idx] = (saved.double() + step * torch.from_numpy(
-                np.asarray(D, dtype=np.float64))).to(E.dtype)
+                np.asarray(D, dtype=np.float64)).to(E.device)).to(E.dtype)
             try:
                 return float(loss_of(m, b))
             finally:

@@ -54,6 +54,15 @@ class TorchBatch:
                        mask=None if self.mask is None else self.mask.flip(-1),
                        real=None if self.real is None else self.real.flip(-1))
 
+    def to(self, device: torch.device) -> TorchBatch:
+        """This batch on ``device`` (itself where it is there already): the batch is built on
+        the CPU and handed to a model where the model is (``--device``)."""
+        if self.tokens.device == device:
+            return self
+        return replace(self, tokens=self.tokens.to(device), targets=self.targets.to(device),
+                       mask=None if self.mask is None else self.mask.to(device),
+                       real=None if self.real is None else self.real.to(device))
+
     def real_tokens(self) -> set[int]:
         """The ids the batch reads as real tokens (its padded positions left out)."""
         t = self.tokens if self.real is None else self.tokens[self.real]
@@ -70,6 +79,11 @@ class TorchBatch:
         if self.mask is not None:
             text += f", attention_mask ({int((self.mask == 0).sum())} masked)"
         return text
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (its first one's device; the CPU for none)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def make_batch(spec: str, tokens: np.ndarray, targets: np.ndarray, setting: Setting, *,

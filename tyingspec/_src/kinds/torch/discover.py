@@ -17,7 +17,7 @@ from torch import nn
 
 from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.findings import Finding, failed, passed
-from tyingspec._src.kinds.torch.batch import TorchBatch
+from tyingspec._src.kinds.torch.batch import TorchBatch, model_device
 from tyingspec._src.kinds.torch.tables import install as install_tables
 from tyingspec._src.kinds.torch.tables import (
     lookup_tables,
@@ -578,6 +578,7 @@ def forward(m: nn.Module, tie: Tie, path: str, batch: TorchBatch) -> Any:
     ``labels=``; ``targets``: its targets argument; ``logits``: no targets at all).  Only
     parameters the forward takes are handed over; a required parameter named like targets
     that the path does not use gets the targets too (``forward(idx, targets, labels)``)."""
+    batch = batch.to(model_device(m))  # built on the CPU, handed where the model is
     kwargs: dict[str, Any] = {"use_cache": False} if tie.no_cache else {}
     if tie.takes_mask and batch.mask is not None:
         kwargs["attention_mask"] = batch.mask
@@ -614,7 +615,8 @@ def cross_entropy(logits: torch.Tensor, batch: TorchBatch) -> torch.Tensor:
     z = logits.reshape(-1, logits.shape[-1])
     if z.dtype in (torch.float16, torch.bfloat16):
         z = z.float()
-    return F.cross_entropy(z, batch.targets.reshape(-1), ignore_index=batch.ignore_index)
+    return F.cross_entropy(z, batch.targets.reshape(-1).to(z.device),
+                           ignore_index=batch.ignore_index)
 
 
 Loss = Callable[[nn.Module, TorchBatch], torch.Tensor]
@@ -627,7 +629,10 @@ def loss_function(target: TorchTarget, tie: Tie, path: str | None = None) -> Los
     callable is handed the user's model, the tokens and the targets."""
     if callable(target.loss):
         custom = target.loss
-        return lambda m, b: custom(m, b.tokens, b.targets)
+        def handed(m: nn.Module, b: TorchBatch) -> torch.Tensor:
+            on = b.to(model_device(m))
+            return custom(m, on.tokens, on.targets)  # type: ignore[no-any-return]
+        return handed
     path = path or tie.convention
     if path in ("labels", "targets"):
         # transformers: the model shifts the labels itself (causal LM), reads them unshifted

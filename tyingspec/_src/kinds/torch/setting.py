@@ -20,7 +20,8 @@ case carries a setting, drawn from its seed and printed with it (a replay line r
 * ``dropout``: the model's configured dropout kept (its masks drawn from a seeded generator, so
   every pass of one check draws the same ones) or set to 0;
 * ``autocast`` and ``compile``: set for every case by ``--autocast`` and ``--compile`` (or by
-  the ``TorchTarget``), the same judgement on those paths.
+  the ``TorchTarget``), the same judgement on those paths; ``device``: where the models and
+  their batches live (``--device``, or the ``TorchTarget``'s), judged on the CPU.
 
 Pure Python: the main process shapes the cases from what the worker said of the model.
 """
@@ -35,8 +36,11 @@ import numpy as np
 from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.cases import Case, standard_cases
 
-#: The settings a command line sets for every case (``--autocast``, ``--compile``).
-FLAGS = ("autocast", "compile")
+#: The settings a command line sets for every case (``--autocast``, ``--compile``,
+#: ``--device``).
+FLAGS = ("autocast", "compile", "device")
+#: Where ``--device`` runs the models (a ``TorchTarget`` names any device torch knows).
+DEVICES = ("cpu", "cuda")
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 #: torch.compile backends a user names; "inductor" is torch's default (it compiles C++ on a
 #: CPU, tens of seconds a graph), "aot_eager" traces forward and backward the same way and
@@ -65,6 +69,7 @@ class Setting:
     dropout: bool = True
     autocast: str = ""
     compile: str = ""
+    device: str = ""
 
     def text(self) -> str:
         out = []

@@ -23,6 +23,7 @@ from tyingspec._src.core.paths import Paths
 from tyingspec._src.kinds.torch.setting import (
     AUTOCAST_DTYPES,
     COMPILE_BACKENDS,
+    DEVICES,
     shape_cases,
     torch_cases,
 )
@@ -57,4 +58,4 @@ SPEC = KindSpec(
                 "torch_fresh_gradient", "torch_micro_batches_accumulate"),
     builtins=_builtins, own_shape=True, takes_precision=True, cases=torch_cases,
     shape_cases=shape_cases,
-    flags=(("autocast", AUTOCAST_DTYPES), ("compile", COMPILE_BACKENDS)))
+    flags=(("autocast", AUTOCAST_DTYPES), ("compile", COMPILE_BACKENDS), ("device", DEVICES)))

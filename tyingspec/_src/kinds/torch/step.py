@@ -39,7 +39,7 @@ from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.cases import kernel_paths
 from tyingspec._src.core.diagnosis import diagnose
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
-from tyingspec._src.kinds.torch.batch import TorchBatch
+from tyingspec._src.kinds.torch.batch import TorchBatch, model_device
 from tyingspec._src.kinds.torch.discover import Loss, Tie
 from tyingspec._src.kinds.torch.target import StepBatch, TorchTarget
 
@@ -228,13 +228,13 @@ def run_loop(loop: Loop, fresh: Callable[[], nn.Module], fallback: Fallback | No
         if problem is not None and before is not None and fallback is not None:
             with torch.no_grad():
                 model.load_state_dict(before)
-            return fallback(model, seen.grad.double().numpy(), uses, where)
+            return fallback(model, seen.grad.double().cpu().numpy(), uses, where)
         if problem is not None:
             return not_applicable(check, inv, f"{where}: a use of the tied weight cannot be "
                                   f"observed in {'your' if user else 'the'} step ({problem}); "
                                   "the gradient against the forward judged the model instead")
         scale = _scale(seen)
-        own = seen.grad.double().numpy() / scale
+        own = seen.grad.double().cpu().numpy() / scale
         ids, dx, h, g = observed_arrays(uses, loop.tie)
         paths = kernel_paths(ids, dx, h, g, loop.tie.vocab, "float64")
         # the precision the step computed in: the case's, or lower where the step's own
@@ -255,7 +255,7 @@ def run_loop(loop: Loop, fresh: Callable[[], nn.Module], fallback: Fallback | No
         if update is not None:
             return failed(check, inv, update[0], f"{where}: {update[1]}")
         # what the optimizer was handed (after any clipping): what a buffer never zeroed keeps
-        previous = seen.grad.double().numpy()
+        previous = seen.grad.double().cpu().numpy()
     clipped = "" if scale == 1.0 else f"; every gradient rescaled by {scale:.6g} before the " \
         "optimizer's step (clipping or unscaling), divided out"
     how = f"{loop.steps} steps of {'your step' if user else _default_words(loop)}" \
@@ -340,10 +340,11 @@ def _user_step(loop: Loop) -> Callable[[nn.Module, Any, TorchBatch], None]:
     autocast = loop.autocast
 
     def run(model: nn.Module, optimizer: Any, batch: TorchBatch) -> None:
-        given = _as_step_batch(batch)
+        device = model_device(model)
+        given = _as_step_batch(batch.to(device))
         try:
             if autocast:
-                with torch.autocast("cpu", dtype=getattr(torch, autocast)):
+                with torch.autocast(device.type, dtype=getattr(torch, autocast)):
                     step(model, optimizer, given)
             else:
                 step(model, optimizer, given)

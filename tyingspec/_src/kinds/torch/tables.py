@@ -322,6 +322,6 @@ def renormalised_rows(model: nn.Module, name: str, reads: np.ndarray) -> np.ndar
     with torch.no_grad():
         W = _read(model, tables[0]) if tables else model.get_parameter(name)
         norms = torch.linalg.vector_norm(W.detach().double()[torch.from_numpy(read)],
-                                         ord=float(module.norm_type), dim=1).numpy()
+                                         ord=float(module.norm_type), dim=1).cpu().numpy()
     at: np.ndarray = read[norms >= float(max_norm) * (1 - _AT_MAX_NORM)]
     return at

@@ -48,6 +48,15 @@ class TorchTarget:
     step.  ``autocast`` (``"bfloat16"`` or ``"float16"``) and ``compile`` (True, or a
     ``torch.compile`` backend name) run the check's own passes, or your step's model, under
     ``torch.autocast`` / ``torch.compile``, as ``--autocast`` and ``--compile`` do.
+
+    ``device`` (``"cuda"``, ``"cuda:1"``, any device torch names) is where the check's models
+    and the batches it hands them live, as ``--device`` sets it: every model the check trains
+    is moved there after it is built, each batch (and your ``step``'s :class:`StepBatch`, and
+    the tokens and targets your ``loss`` gets) is moved to the model's device, and the
+    gradients and observed uses come back to the CPU, to be judged in float64 with the same
+    judgement as on the CPU.  A device torch cannot place a tensor on is an adapter error
+    naming it and torch's version.  The checks of the tie's identity and of the optimizer's
+    bookkeeping run where your factory builds the model.
     """
 
     model: Callable[[], Any]
@@ -62,6 +71,7 @@ class TorchTarget:
     step: Callable[[Any, Any, Any], Any] | None = None
     autocast: str | None = None
     compile: bool | str = False
+    device: str | None = None
 
     def __call__(self) -> Any:
         """A fresh model: a target is a factory like any other."""

@@ -242,8 +242,8 @@ class _Mode(TorchFunctionMode):
                 f"a lookup ({_name(func)}) whose output takes no gradient (inside an "
                 "autograd.Function, under no_grad, or of a detached weight)")
             return
-        record: dict[str, Any] = {"ids": ids.detach().reshape(-1).long().clone(),
-                                  "dx": None, **options}
+        record: dict[str, Any] = {"ids": _kept(ids.reshape(-1).long()), "dx": None,
+                                  **options}
         self.uses.lookups.append(record)
         out.register_hook(  # type: ignore[no-untyped-call]
             lambda g, r=record: _store(r, "dx", g))
@@ -272,7 +272,7 @@ class _Mode(TorchFunctionMode):
         if not isinstance(h, torch.Tensor) or not out.requires_grad:
             self.uses.unobserved.append("a head whose output takes no gradient")
             return
-        record: dict[str, Any] = {"h": h.detach().reshape(-1, h.shape[-1]).clone(), "g": None}
+        record: dict[str, Any] = {"h": _kept(h.reshape(-1, h.shape[-1])), "g": None}
         self.uses.heads.append(record)
         out.register_hook(  # type: ignore[no-untyped-call]
             lambda g, r=record: _store(r, "g", g))
@@ -310,7 +310,7 @@ def _function_apply(mode: _Mode, original: Any) -> Any:
             if not looked_up and len(heads) == 1 and out.shape[-1] == W.shape[0]:
                 # in float64, outside any autocast (which would compute it in bfloat16), and
                 # compared at the precision the Function computed in
-                with torch.autocast("cpu", enabled=False):
+                with torch.autocast(heads[0].device.type, enabled=False):
                     expect = torch.nn.functional.linear(heads[0].detach().double(),
                                                         W.double())
                 scale = float(expect.abs().max()) or 1.0
@@ -348,7 +348,13 @@ class TorchUnsupported(RuntimeError):
 
 
 def _store(record: dict[str, Any], key: str, g: torch.Tensor) -> None:
-    record[key] = g.detach().reshape(-1, g.shape[-1]).clone()
+    record[key] = _kept(g.reshape(-1, g.shape[-1]))
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` on the CPU, where the reference is built (the model may run on a GPU,
+    ``--device``)."""
+    return t.detach().to("cpu", copy=True)
 
 
 class observed_uses:  # noqa: N801  (used as a context manager, like torch's modes)
