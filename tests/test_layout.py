@@ -14,6 +14,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "tyingspec"
 
 SRC = "tyingspec._src."
@@ -196,3 +198,75 @@ def test_the_table_loads_a_kind_only_when_it_is_used() -> None:
                          check=True).stdout
     loaded = {m.split(".")[3] for m in eval(out)}  # noqa: S307 (our own printed list)
     assert loaded == {"probe"}, out
+
+
+# ---- no hub: the worker's isolation is a package of parts, the diagnosis a list of rules ----
+
+ISOLATION = PACKAGE / "_src" / "engine" / "isolation"
+#: The longest a part of the isolation package may be: one sitting's reading (the worker's
+#: handle, the largest part, is 389 lines; the one module they came from was 1588).
+ISOLATION_PART_LINES = 400
+#: The longest a function of ``core/diagnosis.py`` may be: ``diagnose`` was 214 lines, its
+#: label assigned in three successive blocks; it is now evidence, then an ordered tuple of rules.
+DIAGNOSIS_FUNCTION_LINES = 60
+
+
+def _long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    """(name, lines) of every function (methods and nested ones too) over ``limit`` lines."""
+    return [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno
+            and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_isolation_is_a_package_of_parts_each_short_with_a_docstring_that_says_why() -> None:
+    assert not (ISOLATION.parent / "isolation.py").exists()
+    parts = sorted(ISOLATION.glob("*.py"))
+    assert {p.stem for p in parts} >= {"__init__", "wire", "blocks", "sources", "processes",
+                                        "serving", "launch", "handle"}, parts
+    long = {p.name: n for p in parts if (n := len(p.read_text().splitlines()))
+            > ISOLATION_PART_LINES}
+    assert not long, f"parts over {ISOLATION_PART_LINES} lines: {long}"
+    bare = [p.name for p in parts if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not bare, bare
+
+
+def test_no_function_of_the_diagnosis_is_over_the_limit() -> None:
+    source = (PACKAGE / "_src" / "core" / "diagnosis.py").read_text()
+    long = _long_functions(source, DIAGNOSIS_FUNCTION_LINES)
+    assert not long, long
+
+
+def test_the_function_length_rule_finds_a_long_function() -> None:
+    # the test above must be able to fail: a method and a nested function count too
+    body = "\n".join(f"        x{i} = {i}" for i in range(DIAGNOSIS_FUNCTION_LINES))
+    source = f"class A:\n    def m(self):\n{body}\n\ndef short():\n    pass\n"
+    assert _long_functions(source, DIAGNOSIS_FUNCTION_LINES) == [
+        ("m", DIAGNOSIS_FUNCTION_LINES + 1)]
+
+
+def test_the_diagnosis_names_rows_by_an_ordered_tuple_of_rules_ending_in_a_catch_all() -> None:
+    from tyingspec._src.core import diagnosis
+
+    rules = diagnosis._RULES
+    assert isinstance(rules, tuple) and len(rules) == len(set(rules)) >= 5
+    # the first rule that gives a verdict names the rows: the last one always gives one
+    assert rules[-1] is diagnosis._unexplained
+
+
+def test_isolation_re_exports_its_parts_names_and_a_name_set_on_it_reaches_each_part(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tyingspec._src.engine.isolation as iso
+    from tyingspec._src.engine.isolation import blocks, handle, serving, sources, wire
+
+    assert iso.Worker is handle.Worker and iso._encode is wire._encode
+    assert iso._write_result is blocks._write_result is serving._write_result
+    # as when it was one module: a test (or a benchmark's timing wrapper) that sets a name on
+    # the package changes what every part that uses it reads
+    monkeypatch.setattr(iso, "RESULTS_KEPT", 0)
+    monkeypatch.setattr(iso, "HASH_BELOW", 16)
+    monkeypatch.setattr(iso, "_write_result", len)
+    assert handle.RESULTS_KEPT == 0 and sources.HASH_BELOW == 16
+    assert blocks._write_result is len and serving._write_result is len
+    assert handle._write_result is len
+    monkeypatch.undo()
+    assert handle.RESULTS_KEPT == 1 << 30 and serving._write_result is not len

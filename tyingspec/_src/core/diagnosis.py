@@ -9,7 +9,7 @@ asks whether its own example *could* have told those apart from a correct gradie
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -536,6 +536,350 @@ def _describe_scales(a: float, c: float) -> str:
     return ", ".join(parts)
 
 
+@dataclass(frozen=True, eq=False)
+class _Evidence:
+    """What one example shows, gathered once before any label is chosen: the rows against
+    the reference (``view``, ``row_ok``), the batch (present and repeated rows, the
+    occurrence variants), the example's power and each wrong row's cause.  The rules
+    (:data:`_RULES`) read it; the costlier explanations (a fitted scale, occurrences kept, an
+    overwritten output path) are worked out once, when a rule first asks."""
+
+    paths: Paths
+    tol: Tolerance
+    view: _Dense | _Sketched
+    row_ok: np.ndarray
+    wrong_rows: list[int]
+    uniq: np.ndarray  # the present rows, sorted
+    rep: np.ndarray  # the repeated rows, sorted
+    repeated: dict[int, int]  # row -> multiplicity, for tokens seen more than once
+    variants: dict[str, Array]  # on ``rep``: the input path from one occurrence per token
+    power: Power
+    only_out: np.ndarray  # rows holding the output path alone (only asked when wrong)
+    only_in: np.ndarray  # rows holding the input path alone (only asked when wrong)
+    V: int
+    d: int
+
+    @cached_property
+    def causes(self) -> dict[str, list[int]]:
+        """Which explanation fits each wrong row (see :func:`_row_causes`)."""
+        return _row_causes(self)
+
+    @cached_property
+    def present(self) -> np.ndarray:
+        present = np.zeros(self.V, dtype=bool)
+        present[self.uniq] = True
+        return present
+
+    def on_rows(self, rows: np.ndarray, cand_rows: Array) -> np.ndarray:
+        return _rows_close(self.tol.rows(rows), self.view.rows("actual", rows), cand_rows)
+
+    def outside_ok(self, rows: np.ndarray) -> bool:
+        """Whether every row but ``rows`` is right.  Candidate explanations differ from the
+        reference only on some rows (absent rows get no input path, so dropping it cannot show
+        there): they are compared on those rows, ``row_ok`` reused elsewhere.  At V = 50257
+        this keeps the diagnosis a few passes over dE, not dozens."""
+        outside = self.row_ok.copy()
+        outside[rows] = True
+        return bool(outside.all())
+
+    def whole_on(self, rows: np.ndarray, cand_rows: Array) -> bool:
+        return self.outside_ok(rows) and bool(self.on_rows(rows, cand_rows).all())
+
+    @cached_property
+    def only_repeated(self) -> bool:
+        return bool(self.repeated) and set(self.wrong_rows) <= set(self.repeated)
+
+    @cached_property
+    def kept(self) -> list[str]:
+        """The occurrence variants that explain every wrong row (one occurrence kept)."""
+        out_rep = self.view.rows("out", self.rep)
+        return [k for k, v in self.variants.items() if self.whole_on(self.rep, v + out_rep)]
+
+    @cached_property
+    def scaled(self) -> tuple[float, float] | None:
+        """The stray factor that explains every wrong row, if one does (see _one_factor).
+        One wrong entry fits any factor, and two can be one datum: each position's logit
+        gradient sums to zero over the vocabulary, so dx moved from one row to another (V = 2,
+        d = 1) is exactly the output path scaled.  Below three wrong entries only a simple
+        factor (x2, x1/16, xN) is evidence of a scale; and a wrong head gradient is one datum
+        however many entries it moves when the output path has one degree of freedom (see
+        _output_path_data: d = 1 and one distinct token)."""
+        simple: tuple[str, ...] = ()
+        if _wrong_entries(self.view, self.wrong_rows, self.tol) < 3:
+            simple = ("in", "out", "both")
+        elif _output_path_data(len(self.uniq), self.V, self.d) < 2:
+            simple = ("out",)
+        return _one_factor(self.view, simple=simple, n=int(self.paths.tokens.shape[0]))
+
+    @cached_property
+    def pad_unexplained(self) -> bool:
+        """Whether the declared padding row, repeated, is a wrong row nothing explains: the
+        reference leaves its occurrences out by declaration (a scatter that keeps one
+        occurrence, index_copy_, skips the padding mask too): named in the detail."""
+        pad = self.paths.padding_idx
+        return pad is not None and pad in self.causes.get("unexplained", []) and \
+            pad in self.repeated
+
+    @cached_property
+    def partial(self) -> bool:
+        """Whether each wrong row holds some of its occurrences (see the per-row causes), the
+        padding row aside (see :attr:`pad_unexplained`).  A repeated row that lost every
+        occurrence, beside rows that lost some, lost them to the same scatter."""
+        causes, pad = self.causes, self.paths.padding_idx
+        return self.only_repeated and any(c.startswith("duplicates:") for c in causes) and all(
+            c.startswith("duplicates:") or c == "input path missing" or (
+                c == "unexplained" and self.pad_unexplained and causes[c] == [pad])
+            for c in causes)
+
+    @cached_property
+    def overwritten(self) -> list[int] | None:
+        """See :func:`_overwritten_rows`; None unless every absent row is right."""
+        if not self.outside_ok(self.uniq):
+            return None
+        return _overwritten_rows(self.view, self.paths, self.uniq, self.tol)
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """A rule's verdict: the label, its detail, the fitted scales and, when the rule explains
+    the wrong rows its own way, the per-row causes in place of the gathered ones."""
+
+    label: Label
+    detail: str
+    scales: tuple[float, float] | None = None
+    causes: dict[str, list[int]] | None = None
+
+
+def _evidence(raw: np.ndarray, paths: Paths, tol: Tolerance) -> _Evidence:
+    """Everything the rules read, gathered once from ``raw`` (the dE) and the reference."""
+    uniq, counts = np.unique(paths.tokens, return_counts=True)
+    repeated = {int(u): int(c) for u, c in zip(uniq, counts) if c > 1}
+    view: _Dense | _Sketched = _Dense(raw, paths, tol) if paths.sketch is None else \
+        _Sketched(raw, paths, paths.sketch, tol)
+    row_ok = view.scan.row_ratio <= 1.0
+    wrong_rows = [int(r) for r in np.flatnonzero(~row_ok)]
+    rep = np.array(sorted(repeated), dtype=np.int64)
+    variants = _occurrence_variants(paths, rep) if repeated else {}
+    nothing = np.zeros(raw.shape[0], dtype=bool)
+    only_out = view.lin_ok(0.0, 1.0) if wrong_rows else nothing
+    only_in = view.lin_ok(1.0, 0.0) if wrong_rows else nothing
+    return _Evidence(paths=paths, tol=tol, view=view, row_ok=row_ok, wrong_rows=wrong_rows,
+                     uniq=uniq, rep=rep, repeated=repeated, variants=variants,
+                     power=_power(view, tol, uniq, rep, variants), only_out=only_out,
+                     only_in=only_in, V=int(raw.shape[0]), d=int(raw.shape[1]))
+
+
+def _power(view: _Dense | _Sketched, tol: Tolerance, pres: np.ndarray, rep: np.ndarray,
+           variants: dict[str, Array]) -> Power:
+    """Whether dropping a path (or an occurrence of a repeated token) would show here."""
+    dup_power = None
+    if rep.size:
+        out_rep = view.rows("out", rep)
+        ref_rep = view.rows("in", rep) + out_rep
+        dup_power = any(not _rows_close(tol.rows(rep), v + out_rep, ref_rep).all()
+                        for v in variants.values())
+    out_pres = view.rows("out", pres)
+    return Power(
+        input_path=not _rows_close(tol.rows(pres), out_pres,
+                                   view.rows("in", pres) + out_pres).all(),
+        output_path=view.scan.output_power,
+        duplicates=dup_power,
+    )
+
+
+def _row_causes(ev: _Evidence) -> dict[str, list[int]]:
+    """Per-row causes: which explanation fits each wrong row."""
+    causes: dict[str, list[int]] = {}
+    rep_pos = {int(r): i for i, r in enumerate(ev.rep)}
+    for r in ev.wrong_rows:
+        cause = "unexplained"
+        if ev.only_out[r]:
+            cause = "input path missing"
+        elif ev.only_in[r]:
+            cause = "output path missing"
+        elif r in rep_pos:
+            row = np.array([r])
+            out_r = ev.view.rows("out", row)
+            cause = next((f"duplicates: {k}" for k, v in ev.variants.items()
+                          if ev.on_rows(row, v[rep_pos[r]][None, :] + out_r).all()), cause)
+            if cause == "unexplained":  # e.g. a racy scatter: some, not all, occurrences
+                k = _holds_some_occurrences(ev.paths, r, ev.view.rows("actual", row)[0],
+                                            out_r[0], ev.tol.rows(row))
+                cause = cause if k is None else \
+                    f"duplicates: {k} of {ev.repeated[r]} occurrences"
+        causes.setdefault(cause, []).append(r)
+    return causes
+
+
+# ---- the rules, in order of precedence: the first whose verdict is not None names the rows --
+
+def _unattributable(ev: _Evidence) -> _Verdict | None:
+    # Neither path is visible on this example, so no pattern of rows can say which one is
+    # wrong: never give a path label here (the rows are still wrong).
+    if ev.wrong_rows and not ev.power.input_path and not ev.power.output_path:
+        return _Verdict("unknown", "this example cannot attribute wrong rows to a path "
+                        "(neither path exceeds the rounding bound); see the wrong rows")
+    return None
+
+
+def _no_wrong_row(ev: _Evidence) -> _Verdict | None:
+    if ev.wrong_rows:
+        return None
+    if ev.power.input_path and ev.power.output_path:
+        return _Verdict("correct", "")
+    missing = [p for p, ok in (("input", ev.power.input_path),
+                               ("output", ev.power.output_path)) if not ok]
+    return _Verdict("no_power", f"dropping the {' or the '.join(missing)} path would pass here "
+                    "too; not counted as evidence")
+
+
+def _input_path_missing(ev: _Evidence) -> _Verdict | None:
+    if ev.outside_ok(ev.uniq) and bool(ev.only_out[ev.uniq].all()):
+        return _Verdict("input_path_missing",
+                        f"wrong on exactly the {_n(len(ev.uniq), 'present row')}")
+    return None
+
+
+def _output_path_missing(ev: _Evidence) -> _Verdict | None:
+    if bool(ev.only_in.all()):
+        return _Verdict("output_path_missing", f"all {ev.V} rows wrong")
+    return None
+
+
+def _present_rows_input_only(ev: _Evidence) -> _Verdict | None:
+    if ev.outside_ok(ev.uniq) and bool(ev.only_in[ev.uniq].all()):
+        return _Verdict("output_path_overwritten",
+                        f"{_n(len(ev.uniq), 'present row')} hold dE_in only")
+    return None
+
+
+def _duplicates_detail(ev: _Evidence) -> str:
+    # Identical occurrences (same token, same target) fit both: say only what is known.
+    kept = ev.kept
+    which = "one occurrence only" if len(kept) > 1 else (kept[0] if kept else "")
+    detail = (f"{which}; " if which else "") + "wrong rows are repeated tokens " + \
+        ", ".join(f"{r} (x{ev.repeated[r]})" for r in ev.wrong_rows)
+    if ev.pad_unexplained:
+        detail += f"; the padding row {ev.paths.padding_idx} got input path too (its mask " \
+            "skipped)"
+    return detail
+
+
+def _one_occurrence_kept(ev: _Evidence) -> _Verdict | None:
+    if ev.only_repeated and ev.kept:
+        return _Verdict("duplicates_not_accumulated", _duplicates_detail(ev))
+    return None
+
+
+def _path_scaled(ev: _Evidence) -> _Verdict | None:
+    if ev.scaled is None:
+        return None
+    a, c = ev.scaled
+    detail = _describe_scales(a, c)
+    # Every wrong row is explained by the fitted factor: attribute them to it.
+    return _Verdict("path_scaled", detail, (a, c),
+                    {detail: [r for rows in ev.causes.values() for r in rows]})
+
+
+def _some_occurrences_kept(ev: _Evidence) -> _Verdict | None:
+    # e.g. a racy scatter: each wrong row holds some, not all, of its occurrences
+    if ev.partial:
+        return _Verdict("duplicates_not_accumulated", _duplicates_detail(ev))
+    return None
+
+
+def _overwritten_by_input(ev: _Evidence) -> _Verdict | None:
+    # llm.c's `dwte[ix] = d`, written position by position after the head's matmul: the
+    # output path and all but one occurrence of a repeated token are overwritten
+    single = ev.overwritten
+    if single is None:
+        return None
+    causes = {"input path only (output path overwritten)":
+              [r for r in ev.wrong_rows if r not in single],
+              "a single occurrence only (output path overwritten)": list(single)}
+    return _Verdict("output_path_overwritten",
+                    f"{_n(len(ev.uniq), 'present row')} hold the input path only; repeated "
+                    f"tokens {single} hold a single occurrence (each write replaced the row)",
+                    causes={k: v for k, v in causes.items() if v})
+
+
+def _row_pattern(ev: _Evidence) -> _Verdict | None:
+    """Absent rows carry the output path alone, so the row pattern says which path is wrong;
+    present rows holding exactly the output path lost their input path (a masked row)."""
+    masked = set(ev.causes) == {"input path missing"}
+    if not (ev.power.input_path or ev.power.output_path) or \
+            not (masked or not ev.present.all()):
+        return None
+    present = ev.present
+    absent_wrong = [r for r in ev.wrong_rows if not present[r]]
+    present_wrong = [r for r in ev.wrong_rows if present[r]]
+    n_absent, n_present = int((~present).sum()), _n(len(ev.uniq), "present row")
+    if _misrouted_or_output(ev, absent_wrong, present_wrong):
+        # The output path may be wrong, or the input path went into the wrong rows (e.g. the
+        # targets'), taking from the present rows what the absent ones gained.  The rows
+        # cannot tell which, so the label stays unknown.
+        return _Verdict("unknown", f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong "
+                        f"(they carry the output path alone) and {len(present_wrong)} of "
+                        f"{n_present}: a wrong output path, or dx scattered into the wrong "
+                        "rows?")
+    if absent_wrong:
+        return _Verdict("output_path_wrong",
+                        f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong")
+    detail = (f"all {_n(n_absent, 'absent row')} exact; " if n_absent else "") + \
+        f"{len(ev.wrong_rows)} of {n_present} wrong"
+    if masked:
+        detail += f"; rows {ev.wrong_rows} hold the output path only (input path masked)"
+    return _Verdict("input_path_wrong", detail)
+
+
+def _misrouted_or_output(ev: _Evidence, absent_wrong: list[int],
+                         present_wrong: list[int]) -> bool:
+    """Absent rows wrong and present rows wrong, no more absent ones than the batch has
+    positions, and each holds what some positions' dx would add (see
+    :func:`misrouted_input_fits`)."""
+    if not (absent_wrong and present_wrong and
+            len(absent_wrong) <= ev.paths.tokens.shape[0]):
+        return False
+    rows = np.asarray(absent_wrong, dtype=np.int64)
+    return isinstance(ev.view, _Sketched) or misrouted_input_fits(
+        ev.paths, rows, ev.view.rows("actual", rows) - ev.view.rows("out", rows), ev.tol)
+
+
+def _unexplained(ev: _Evidence) -> _Verdict:
+    """The last rule: wrong rows that no rule explains."""
+    n_present = len([r for r in ev.wrong_rows if ev.present[r]])
+    return _Verdict("unknown", f"{len(ev.wrong_rows)} wrong rows, {n_present} of them present "
+                    "in the batch" + ("; every row is present, so the rows cannot say which "
+                                      "path is wrong" if ev.present.all() else ""))
+
+
+#: The rules that name the rows, in order of precedence: the first verdict wins, so the order
+#: decides between explanations that both fit.  No power to attribute a wrong row, then no
+#: wrong row; the whole-matrix patterns (a path missing, present rows holding the input path
+#: alone); the explanations of every wrong row (one occurrence kept, a stray factor, some
+#: occurrences kept, the output path overwritten position by position); the pattern of
+#: absent and present rows; and last, wrong rows no rule explains.
+_RULES: tuple[Callable[[_Evidence], _Verdict | None], ...] = (
+    _unattributable, _no_wrong_row, _input_path_missing, _output_path_missing,
+    _present_rows_input_only, _one_occurrence_kept, _path_scaled, _some_occurrences_kept,
+    _overwritten_by_input, _row_pattern, _unexplained,
+)
+
+
+def _beyond_rows(verdict: _Verdict, others: list[ArrayCheck],
+                 mutated: tuple[str, ...]) -> _Verdict:
+    """Right rows (correct, or no power) still make a wrong verdict when another output is
+    wrong, or, after that, when the implementation wrote into its inputs."""
+    if verdict.label not in ("correct", "no_power"):
+        return verdict
+    if any(not o.ok for o in others):
+        return _Verdict("other_gradient_wrong",
+                        "; ".join(o.describe() for o in others if not o.ok))
+    if mutated:
+        return _Verdict("inputs_mutated", "wrote into " + ", ".join(mutated))
+    return verdict
+
+
 def diagnose(
     dE: Any,
     paths: Paths,
@@ -544,7 +888,9 @@ def diagnose(
     others: list[ArrayCheck] | None = None,
     mutated: tuple[str, ...] = (),
 ) -> Diagnosis:
-    """Compare ``dE`` with the reference ``paths`` row by row and name what is wrong.
+    """Compare ``dE`` with the reference ``paths`` row by row and name what is wrong: the
+    evidence is gathered once (:func:`_evidence`), then the first of :data:`_RULES` that
+    gives a verdict names the rows.
 
     ``dtype`` is the precision the implementation is judged at (it sets each row's rounding
     bound, see :mod:`core.tolerance`); it defaults to the dtype of ``dE``.  ``others``
@@ -552,209 +898,21 @@ def diagnose(
     wrote into; either turns a right dE into a wrong verdict.
     """
     raw = np.asarray(dE)
-    V = raw.shape[0]
     precision: Precision = precision_of(dtype if dtype is not None else raw.dtype)
     tol = row_tolerance(paths.bound_terms, precision)
-    tokens = paths.tokens
-    uniq, counts = np.unique(tokens, return_counts=True)
-    repeated = {int(u): int(c) for u, c in zip(uniq, counts) if c > 1}
-
-    view: _Dense | _Sketched = _Dense(raw, paths, tol) if paths.sketch is None else \
-        _Sketched(raw, paths, paths.sketch, tol)
-    scan = view.scan
-    row_ok = scan.row_ratio <= 1.0
-    wrong_rows = [int(r) for r in np.flatnonzero(~row_ok)]
-    mx_abs, mx_rel = scan.max_abs, scan.max_rel
-
-    # Candidate explanations differ from the reference only on some rows (absent rows get no
-    # input path, so dropping it cannot show there): compare on those rows, reuse row_ok
-    # elsewhere.  At V = 50257 this keeps the diagnosis a few passes over dE, not dozens.
-    pres = uniq
-    rep = np.array(sorted(repeated), dtype=np.int64)
-
-    def on_rows(rows: np.ndarray, cand_rows: Array) -> np.ndarray:
-        return _rows_close(tol.rows(rows), view.rows("actual", rows), cand_rows)
-
-    def outside_ok(rows: np.ndarray) -> bool:
-        outside = row_ok.copy()
-        outside[rows] = True
-        return bool(outside.all())
-
-    def whole_on(rows: np.ndarray, cand_rows: Array) -> bool:
-        return outside_ok(rows) and bool(on_rows(rows, cand_rows).all())
-
-    variants = _occurrence_variants(paths, rep) if repeated else {}
-    dup_power = None
-    if repeated:
-        out_rep = view.rows("out", rep)
-        ref_rep = view.rows("in", rep) + out_rep
-        dup_power = any(not _rows_close(tol.rows(rep), v + out_rep, ref_rep).all()
-                        for v in variants.values())
-    out_pres = view.rows("out", pres)
-    power = Power(
-        input_path=not _rows_close(tol.rows(pres), out_pres,
-                                   view.rows("in", pres) + out_pres).all(),
-        output_path=scan.output_power,
-        duplicates=dup_power,
-    )
-
-    # Per-row causes: which explanation fits each wrong row.
-    causes: dict[str, list[int]] = {}
-    # rows that hold the output path alone / the input path alone (only asked when wrong)
-    nothing = np.zeros(V, dtype=bool)
-    only_out = view.lin_ok(0.0, 1.0) if wrong_rows else nothing
-    only_in = view.lin_ok(1.0, 0.0) if wrong_rows else nothing
-    rep_pos = {int(r): i for i, r in enumerate(rep)}
-    for r in wrong_rows:
-        cause = "unexplained"
-        if only_out[r]:
-            cause = "input path missing"
-        elif only_in[r]:
-            cause = "output path missing"
-        elif r in rep_pos:
-            row = np.array([r])
-            out_r = view.rows("out", row)
-            cause = next((f"duplicates: {k}" for k, v in variants.items()
-                          if on_rows(row, v[rep_pos[r]][None, :] + out_r).all()), cause)
-            if cause == "unexplained":  # e.g. a racy scatter: some, not all, occurrences
-                k = _holds_some_occurrences(paths, r, view.rows("actual", row)[0], out_r[0],
-                                            tol.rows(row))
-                cause = cause if k is None else f"duplicates: {k} of {repeated[r]} occurrences"
-        causes.setdefault(cause, []).append(r)
-
-    label: Label = "unknown"
-    detail, scales = "", None
-    present_rows = [int(u) for u in uniq]
-    if wrong_rows and not power.input_path and not power.output_path:
-        # Neither path is visible on this example, so no pattern of rows can say which one is
-        # wrong: never give a path label here (the rows are still wrong).
-        detail = ("this example cannot attribute wrong rows to a path (neither path exceeds "
-                  "the rounding bound); see the wrong rows")
-    elif not wrong_rows:
-        if not power.input_path or not power.output_path:
-            label = "no_power"
-            missing = [p for p, ok in (("input", power.input_path),
-                                       ("output", power.output_path)) if not ok]
-            detail = (f"dropping the {' or the '.join(missing)} path would pass here too; "
-                      "not counted as evidence")
-        else:
-            label = "correct"
-    elif outside_ok(pres) and bool(only_out[pres].all()):
-        label, detail = "input_path_missing", f"wrong on exactly the {_n(len(uniq), 'present row')}"
-    elif bool(only_in.all()):
-        label, detail = "output_path_missing", f"all {V} rows wrong"
-    elif outside_ok(pres) and bool(only_in[pres].all()):
-        label, detail = "output_path_overwritten", f"{_n(len(uniq), 'present row')} hold dE_in only"
-    else:
-        only_repeated = bool(repeated) and set(wrong_rows) <= set(repeated)
-        kept = [k for k, v in variants.items() if whole_on(rep, v + view.rows("out", rep))]
-        # One wrong entry fits any factor, and two can be one datum: each position's logit
-        # gradient sums to zero over the vocabulary, so dx moved from one row to another (V = 2,
-        # d = 1) is exactly the output path scaled.  Below three wrong entries only a simple
-        # factor (x2, x1/16, xN) is evidence of a scale; and a wrong head gradient is one
-        # datum however many entries it moves when the output path has one degree of freedom
-        # (see _output_path_data: d = 1 and one distinct token).
-        simple: tuple[str, ...] = ()
-        if _wrong_entries(view, wrong_rows, tol) < 3:
-            simple = ("in", "out", "both")
-        elif _output_path_data(len(uniq), V, raw.shape[1]) < 2:
-            simple = ("out",)
-        scaled = _one_factor(view, simple=simple, n=int(tokens.shape[0]))
-        # each wrong row holds some of its occurrences (see the per-row causes); the declared
-        # padding row aside, whose occurrences the reference leaves out by declaration (a
-        # scatter that keeps one occurrence, index_copy_, skips the padding mask too: it is
-        # named in the detail, not explained)
-        pad = paths.padding_idx
-        pad_unexplained = pad is not None and pad in causes.get("unexplained", []) and \
-            pad in repeated
-        # (a repeated row that lost every occurrence, beside rows that lost some, lost them to
-        # the same scatter)
-        partial = only_repeated and any(c.startswith("duplicates:") for c in causes) and all(
-            c.startswith("duplicates:") or c == "input path missing" or (
-                c == "unexplained" and pad_unexplained and causes[c] == [pad]) for c in causes)
-        overwritten = _overwritten_rows(view, paths, pres, tol) if outside_ok(pres) else None
-        if only_repeated and kept:
-            label = "duplicates_not_accumulated"
-        elif scaled is not None:
-            a, c = scaled
-            label, detail, scales = "path_scaled", _describe_scales(a, c), (a, c)
-            # Every wrong row is explained by the fitted factor: attribute them to it.
-            causes = {detail: [r for rows in causes.values() for r in rows]}
-        elif partial:
-            # e.g. a racy scatter: each wrong row holds some, not all, of its occurrences
-            label = "duplicates_not_accumulated"
-        elif overwritten is not None:
-            # llm.c's `dwte[ix] = d`, written position by position after the head's matmul:
-            # the output path and all but one occurrence of a repeated token are overwritten
-            label = "output_path_overwritten"
-            detail = (f"{_n(len(uniq), 'present row')} hold the input path only; repeated "
-                      f"tokens {overwritten} hold a single occurrence (each write replaced "
-                      "the row)")
-            causes = {"input path only (output path overwritten)":
-                      [r for r in wrong_rows if r not in overwritten],
-                      "a single occurrence only (output path overwritten)": list(overwritten)}
-            causes = {k: v for k, v in causes.items() if v}
-        if label == "duplicates_not_accumulated":
-            # Identical occurrences (same token, same target) fit both: say only what is known.
-            which = "one occurrence only" if len(kept) > 1 else (kept[0] if kept else "")
-            detail = (f"{which}; " if which else "") + "wrong rows are repeated tokens " + \
-                ", ".join(f"{r} (x{repeated[r]})" for r in wrong_rows)
-            if pad_unexplained:
-                detail += f"; the padding row {pad} got input path too (its mask skipped)"
-
-    present = np.zeros(V, dtype=bool)
-    present[uniq] = True
-    masked = set(causes) == {"input path missing"}
-    attributable = power.input_path or power.output_path
-    if label == "unknown" and attributable and (masked or not present.all()):
-        # Absent rows carry the output path alone, so the row pattern says which path is wrong;
-        # present rows holding exactly the output path lost their input path (a masked row).
-        absent_wrong = [r for r in wrong_rows if not present[r]]
-        n_absent = int((~present).sum())
-        present_wrong = [r for r in wrong_rows if present[r]]
-        rows = np.asarray(absent_wrong, dtype=np.int64)
-        if absent_wrong and present_wrong and len(absent_wrong) <= tokens.shape[0] and (
-                isinstance(view, _Sketched) or misrouted_input_fits(
-                    paths, rows, view.rows("actual", rows) - view.rows("out", rows), tol)):
-            # Absent rows wrong and present rows wrong, no more absent ones than the batch has
-            # positions, and each holds what some positions' dx would add: the output path may
-            # be wrong, or the input path went into the wrong rows (e.g. the targets'), taking
-            # from the present rows what the absent ones gained.  The rows cannot tell which,
-            # so the label stays unknown.
-            detail = (f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong (they carry "
-                      f"the output path alone) and {len(present_wrong)} of "
-                      f"{_n(len(uniq), 'present row')}: a wrong output path, or dx scattered "
-                      "into the wrong rows?")
-        elif absent_wrong:
-            label = "output_path_wrong"
-            detail = f"{len(absent_wrong)} of {_n(n_absent, 'absent row')} wrong"
-        else:
-            label = "input_path_wrong"
-            detail = (f"all {_n(n_absent, 'absent row')} exact; " if n_absent else "") + \
-                f"{len(wrong_rows)} of {_n(len(uniq), 'present row')} wrong"
-            if masked:
-                detail += f"; rows {wrong_rows} hold the output path only (input path masked)"
-    if label == "unknown" and wrong_rows and not detail:
-        n_absent = int((~present).sum())
-        detail = (f"{len(wrong_rows)} wrong rows, {len([r for r in wrong_rows if present[r]])} "
-                  f"of them present in the batch" + (
-                      "; every row is present, so the rows cannot say which path is wrong"
-                      if not n_absent else ""))
-
+    ev = _evidence(raw, paths, tol)
+    verdict = next(v for v in (rule(ev) for rule in _RULES) if v is not None)
     others = list(others or [])
-    if label in ("correct", "no_power") and any(not o.ok for o in others):
-        label = "other_gradient_wrong"
-        detail = "; ".join(o.describe() for o in others if not o.ok)
-    if label in ("correct", "no_power") and mutated:
-        label = "inputs_mutated"
-        detail = "wrote into " + ", ".join(mutated)
-
+    verdict = _beyond_rows(verdict, others, mutated)
+    scan = ev.view.scan
     return Diagnosis(
-        label=label, detail=detail, rows_total=V, rows_wrong=len(wrong_rows),
-        wrong_rows=wrong_rows, present_rows=present_rows, repeated_rows=repeated,
-        row_causes=causes, max_abs_error=mx_abs, max_rel_error=mx_rel, tolerance=tol,
-        power=power, scales=scales, others=others, margin=scan.margin,
-        rows_projected=view.projected,
+        label=verdict.label, detail=verdict.detail, rows_total=ev.V,
+        rows_wrong=len(ev.wrong_rows), wrong_rows=ev.wrong_rows,
+        present_rows=[int(u) for u in ev.uniq], repeated_rows=ev.repeated,
+        row_causes=ev.causes if verdict.causes is None else verdict.causes,
+        max_abs_error=scan.max_abs, max_rel_error=scan.max_rel, tolerance=tol,
+        power=ev.power, scales=verdict.scales, others=others, margin=scan.margin,
+        rows_projected=ev.view.projected,
     )
 
 
