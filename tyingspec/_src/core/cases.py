@@ -406,6 +406,21 @@ PROBE_CASES = ("res-zero", "s-in-not-1", "no-bias")
 LENGTH_CASES = ("ce-long",)
 
 
+def at_model_setting(case: Case, V: int, d: int, N: int, setting: str) -> Case:
+    """``case`` on a framework model (torch, jax) of vocabulary ``V`` and width ``d``, at a
+    batch of ``N`` tokens drawn in ``setting`` (its text, printed with the case): float64, E of
+    unit scale, its composition one the batch can hold.  A batch larger than the vocabulary
+    cannot be of distinct tokens: half the vocabulary then, the other half absent, so that the
+    rows of repeated tokens and those of every present token are told apart."""
+    composition, distinct = case.composition, case.distinct
+    if composition == "distinct" and N > V:
+        composition, distinct = "mixed", max(1, V // 2)
+    if distinct is not None:
+        distinct = min(distinct, V, N)
+    return replace(case, V=V, d=d, N=N, probe=False, e_scale=1.0, dtype="float64",
+                   composition=composition, distinct=distinct, setting=setting)
+
+
 def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], list[str]]:
     """The cases at a user's shape, each keeping its composition; the names left out (those
     defined by their shape, and those whose composition the shape cannot hold)."""

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tyingspec._src.core.adapters import AdapterError
-from tyingspec._src.core.cases import Case, standard_cases
+from tyingspec._src.core.cases import Case, at_model_setting, standard_cases
 
 #: A drawn batch holds at least this many tokens (when the largest batch does): a bug past
 #: the first few hundred tokens is inside every case.
@@ -166,12 +166,4 @@ def _at(case: Case, V: int, d: int, setting: Setting) -> Case:
     one the batch holds (a batch larger than the vocabulary cannot be of distinct tokens:
     half the vocabulary then, the other half absent, and a quarter of those present read once,
     so that the rows of repeated tokens and those of every present token are told apart)."""
-    N = setting.B * setting.T
-    composition, distinct = case.composition, case.distinct
-    if composition == "distinct" and N > V:
-        composition, distinct = "mixed", max(1, V // 2)
-    if distinct is not None:
-        distinct = min(distinct, V, N)
-    return replace(case, V=V, d=d, N=N, probe=False, e_scale=1.0, dtype="float64",
-                   composition=composition, distinct=distinct, setting=setting.text(),
-                   given_shape=case.given_shape)
+    return at_model_setting(case, V, d, setting.B * setting.T, setting.text())

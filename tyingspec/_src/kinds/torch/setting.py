@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from tyingspec._src.core.adapters import AdapterError
-from tyingspec._src.core.cases import Case, standard_cases
+from tyingspec._src.core.cases import Case, at_model_setting, standard_cases
 
 #: The settings a command line sets for every case (``--autocast``, ``--compile``,
 #: ``--device``).
@@ -171,14 +171,7 @@ def at_model_shape(case: Case, V: int, d: int, B: int, T: int) -> Case:
         int(rng.integers(2, max(3, T // 2 + 1)))
     b = B if setting.B == 0 else max(1, min(B, setting.B))
     setting = replace(setting, B=b, T=t, micro=max(1, min(setting.micro, b)))
-    N = b * t
-    composition, distinct = case.composition, case.distinct
-    if composition == "distinct" and N > V:
-        composition, distinct = "mixed", max(1, V // 2)
-    if distinct is not None:
-        distinct = min(distinct, V, N)
-    return replace(case, V=V, d=d, N=N, probe=False, e_scale=1.0, dtype="float64",
-                   composition=composition, distinct=distinct, setting=setting.text())
+    return at_model_setting(case, V, d, b * t, setting.text())
 
 
 def torch_cases(seed: int) -> list[Case]:
