@@ -9,6 +9,7 @@ import pytest
 
 from tyingspec._src.core import render as render_module
 from tyingspec._src.core.render import no_addresses, rows_text, terminal_width, wrapped
+from tyingspec._src.front.baseline import EXIT_NO_POWER
 from tyingspec._src.front.cli import main
 
 
@@ -63,6 +64,6 @@ def test_a_terminal_check_is_wrapped_and_its_replay_left_whole(
 
 
 def test_a_no_power_case_has_no_replay_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "tied", "--case", "v-equals-1", "-q"]) == 6
+    assert main(["check", "tied", "--case", "v-equals-1", "-q"]) == EXIT_NO_POWER
     out = capsys.readouterr().out
     assert "NO POWER" in out and "replay:" not in out
