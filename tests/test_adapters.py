@@ -131,6 +131,8 @@ def in_bfloat16(E, W, b, tokens, targets, *, res, s_in):
 """
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("attr,mutated", [
     ("clean", ()), ("writes_E", ("E",)), ("writes_E_and_tokens", ("E", "tokens"))])
 def test_a_worker_target_writing_into_a_shared_input_is_reported_and_the_callers_arrays_stay(
@@ -192,6 +194,8 @@ def keeps_a_slice_of_E(E, W, b, tokens, targets, *, res, s_in):
 """
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("attr", ["keeps_E", "keeps_a_slice_of_E"])
 def test_an_input_the_worker_target_keeps_stays_its_own_copy_as_in_process(
         tmp_path, monkeypatch, attr: str) -> None:  # type: ignore[no-untyped-def]
@@ -272,6 +276,8 @@ def _result_fds(pid: int) -> set[str]:
     return names
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the worker's /proc/PID/fd")
 def test_a_result_block_whose_dE_has_gone_takes_a_later_dE_and_never_a_live_one(
         tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -126,6 +126,8 @@ ATTACKS = [
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("argv,code,words", [a[1:] for a in ATTACKS],
                          ids=[a[0] for a in ATTACKS])
 def test_the_cli_gives_each_attack_its_exit_status_and_message(
@@ -145,6 +147,8 @@ def test_a_builtin_target_never_imports_from_the_current_directory(repo: Path) -
     assert "verdict: correct" in out.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_crashing_case_does_not_stop_the_others(repo: Path) -> None:
     out = tyingspec(repo, "adapters:os_exit_0")
     assert out.returncode == 2
@@ -243,6 +247,8 @@ def test_the_plugin_refuses_a_summary_that_is_the_baseline(repo: Path) -> None:
     assert "same file" in out.stdout + out.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_the_plugin_accepts_a_non_ascii_target(repo: Path) -> None:
     (repo / "pädagogik.py").write_text(ADAPTERS)
     out = run_plugin(repo, "--tyingspec-adapter=pädagogik:ok")

@@ -138,6 +138,8 @@ ATTACKS: list[tuple[str, list[str], str, int, list[str]]] = [
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("argv,block,code,words", [a[1:] for a in ATTACKS],
                          ids=[a[0] for a in ATTACKS])
 def test_each_input_gets_its_exit_status_and_message(
@@ -228,6 +230,8 @@ PLUGIN_ATTACKS: list[tuple[str, list[str], list[str]]] = [
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("argv,words", [a[1:] for a in PLUGIN_ATTACKS],
                          ids=[a[0] for a in PLUGIN_ATTACKS])
 def test_each_replay_is_a_usage_error(repo: Path, argv: list[str], words: list[str]) -> None:
@@ -354,6 +358,8 @@ def test_every_kernel_option_is_a_known_replay_key() -> None:
         assert ce_problem(f"{name}={words.get(name, '0.5')}") is None, name
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_shape_sets_a_torch_models_batch_times_sequence(repo: Path) -> None:
     # --shape was ignored by the torch kind: a lookup right only for the first 16 positions
     # passed even with --shape 48,16,256.  N is the model's batch x sequence now.

@@ -262,6 +262,8 @@ def _run_job(repo: Path, env: dict[str, str], action_path: Path, *,
     return result
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_the_actions_suite_step_collects_the_suite_alone_from_the_path_given(
         tmp_path: Path) -> None:
     """The Action's pytest step with `path`, no baseline and `pytest-args` given (collection
@@ -385,6 +387,8 @@ def _hook_command(hook: dict[str, Any]) -> list[str]:
     return [sys.executable, "-m", "tyingspec", *entry[1:], *map(str, hook.get("args", []))]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_the_example_pre_commit_config_runs_its_hook_as_pre_commit_does(tmp_path: Path) -> None:
     (hook,) = _config_hooks()
     assert hook["id"] in _hooks()

@@ -83,6 +83,8 @@ def files(tmp_path: Path) -> dict[str, str]:
     return paths
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_inspect_states(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                         files: dict[str, str]) -> None:
     code, p = _report(capsys, tmp_path, files["tied.pt"])

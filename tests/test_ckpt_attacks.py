@@ -257,6 +257,8 @@ ATTACKS: list[tuple[str, list[str], int, list[str]]] = [
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize(("argv", "code", "expected"), [a[1:] for a in ATTACKS],
                          ids=[a[0] for a in ATTACKS])
 def test_attack(capsys: pytest.CaptureFixture[str], tmp_path: Path, f: dict[str, str],
@@ -305,6 +307,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_sigterm_mid_convert_leaves_no_temporary_file(tmp_path: Path) -> None:
     src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     save_file(_pair(), str(src))
@@ -430,6 +434,8 @@ def test_out_to_a_pipe_is_a_stream(capsys: pytest.CaptureFixture[str], tmp_path:
     assert torch.equal(load(str(copy)).tensors[EMB], _pair()[HEAD])
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_json_to_dev_stdout(tmp_path: Path, f: dict[str, str]) -> None:
     proc = subprocess.run([sys.executable, "-m", "tyingspec", "ckpt", "inspect",
                            f["diff.safetensors"], "--json", "/dev/stdout"],
@@ -439,6 +445,8 @@ def test_json_to_dev_stdout(tmp_path: Path, f: dict[str, str]) -> None:
     assert os.path.islink("/dev/stdout")
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_json_to_dev_stdout_redirected_to_a_file_keeps_the_report(
         tmp_path: Path, f: dict[str, str]) -> None:
     # `--json /dev/stdout > log`: /dev/stdout resolves to log itself, which the report once
@@ -535,6 +543,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("ext", [".safetensors", ".pt"])
 def test_real_write_failure(tmp_path: Path, ext: str) -> None:
     # a real failed write (RLIMIT_FSIZE), as a full disk fails it, in each writer

@@ -225,6 +225,8 @@ def _json_after(text: str) -> dict[str, object]:
     return loaded
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize(("where", "into"), [
     ("/dev/stdout", "file"), ("/dev/stdout", "pipe"), ("/dev/fd/1", "file"),
     ("/dev/stderr", "file"), ("the same file", "file")])

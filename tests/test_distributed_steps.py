@@ -173,6 +173,8 @@ def test_a_middle_stage_holds_no_copy_and_is_not_in_the_embedding_group() -> Non
 PIPELINES = [n for n in zoo.DISTRIBUTED_BUILTINS if "ddp" not in n and "fsdp" not in n]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("name", PIPELINES)
 def test_each_pipeline_builtin_keeps_its_label_on_the_default_layouts(name: str) -> None:
     """The zoo's pipelines run on any number of stages: on pp=2, pp=2 x dp=2 and pp=3 each

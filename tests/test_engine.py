@@ -133,6 +133,8 @@ def test_a_float32_torch_adapter_passes(torch_adapters: str,
     assert "judged at float32" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_upcasting_a_float32_result_is_judged_at_float32_unless_float64_is_declared(
         torch_adapters: str, capsys: pytest.CaptureFixture[str]) -> None:
     # every value it returns is a float32: judged there (issue 50 §5), and correct
@@ -167,6 +169,8 @@ def test_json_reports_each_cases_precision_and_margin(tmp_path: Path,
     assert all(0 <= c["margin"] <= 1 for c in cases)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("name,label", [("output-path-only", "input_path_missing"),
                                         ("duplicates-buffered", "duplicates_not_accumulated"),
                                         ("paths-averaged", "path_scaled"),

@@ -85,6 +85,8 @@ def test_kind_torch_without_torch_names_the_extra_the_target_needs(
     assert "Traceback" not in text, text[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_with_torch_installed_only_the_missing_transformers_is_named(models: Path) -> None:
     out = run(models, ["check", "models.hf:make_model", "--kind", "torch"], "transformers")
     text = out.stdout + out.stderr

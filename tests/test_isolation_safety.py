@@ -117,6 +117,8 @@ def tyingspec(cwd: Path, *args: str, timeout: float = 120) -> subprocess.Complet
                           env={**os.environ, "PYTHONPATH": ""})
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("attr,words", [
     ("raises_touch", ["attackers.Touch", "cannot send"]),
     ("raises_exit", ["attackers.ExitZero", "cannot send"]),
@@ -532,6 +534,8 @@ def strays(tmp_path: Path) -> Iterator[Path]:
             pass
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("how", HOW)
 def test_a_check_piped_to_cat_ends_with_its_run_and_the_child_the_target_left(
         strays: Path, how: str) -> None:

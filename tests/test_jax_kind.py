@@ -57,6 +57,8 @@ DEFAULT_BUILTINS = [n for n in BUILTINS
                     if JAX_BUILTINS[n].breaks is not None or n == "function-tied"]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("name", DEFAULT_BUILTINS)
 def test_every_jax_builtin_gets_its_label_on_a_repeated_token_batch(name: str) -> None:
     b = JAX_BUILTINS[name]
@@ -142,6 +144,8 @@ def test_a_copy_and_an_aliased_tree_are_told_apart() -> None:
         "two paths, one array"
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_the_reference_never_runs_the_targets_custom_vjp_backward() -> None:
     import jax
 
@@ -163,6 +167,8 @@ def test_the_reference_never_runs_the_targets_custom_vjp_backward() -> None:
     assert np.abs(own - expected)[repeated].max() > 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_model_without_a_tie_exits_2_naming_what_it_found(tmp_path: Path) -> None:
     (tmp_path / "untied_jax.py").write_text(textwrap.dedent("""
         import jax.numpy as jnp

@@ -227,6 +227,8 @@ def test_the_bfloat16_head_is_wrong_only_for_a_bfloat16_table() -> None:
         assert bool(np.abs(ours - plain).max() > 0.1 * np.abs(plain).max()) is wrong, dtype
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_float32_table_also_runs_in_bfloat16_and_the_halved_head_shows() -> None:
     target = load(f"{HERE}:head_halved_in_bfloat16", "jax", isolate=False)
     own = observe(target, own_case(target, _case("token-zero")), checks=("gradient",))

@@ -60,6 +60,8 @@ def _assert_one_label(repo: Scratch, *args: str) -> None:
 # to path_scaled, tie_survives_a_step stayed unknown, and the run's verdict was path_scaled;
 # under ci, repeated_tokens_accumulate was path_scaled and tie_survives_a_step unknown.
 # Ten examples: each broken property fails on its first ones, and the passing ones cost less.
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("args", [("--tyingspec-profile=dev", "--hypothesis-seed=4"),
                                   ("--tyingspec-profile=ci",)], ids=["dev-seed-4", "ci"])
 def test_the_plugin_gives_a_head_bug_one_label(newcomer: Scratch, args: tuple[str, ...]) -> None:

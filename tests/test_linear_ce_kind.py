@@ -26,6 +26,8 @@ from tyingspec._src.kinds.table import KINDS
 CASES = standard_ce_cases(0)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("name", sorted(LINEAR_CE_BUILTINS))
 def test_every_linear_ce_builtin_gets_its_label(name: str) -> None:
     b = LINEAR_CE_BUILTINS[name]
@@ -78,6 +80,8 @@ def _verdicts(name: str) -> tuple[list[tuple[str, str, str | None, str]], int]:
     return rows, sum(r.diagnosis.rows_projected for r in report.results if r.diagnosis)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_every_linear_ce_builtin_gets_the_same_verdict_sketched(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """At large shapes the reference's dE is kept factored (dz.T @ h) and the rows no token or

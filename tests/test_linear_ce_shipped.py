@@ -119,6 +119,8 @@ def test_a_low_precision_case_blind_to_a_known_bug_says_so() -> None:
     assert report.exit_code == EXIT_NO_POWER  # never a pass
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("dtype", kind.LOW_DTYPES)
 def test_padded_lanes_are_caught_in_each_low_precision_and_a_correct_kernel_has_power(
         dtype: str) -> None:

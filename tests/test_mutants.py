@@ -110,6 +110,8 @@ def test_the_kind_zoos_are_killed_and_their_correct_models_pass(impl: Implementa
         assert {c.label for c in row.cells.values() if c.failed} & {impl.expected}, row.cells
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("name,kind", SIGNATURE_ROWS, ids=_ids(SIGNATURE_ROWS))
 def test_mutant_shows_its_fingerprint_on_drawn_batches(name: str, kind: str) -> None:
     sig = SIGNATURES[name]

@@ -154,6 +154,8 @@ def test_kernel_reference_sketches_too() -> None:
     assert diagnose(np.asarray(dense.dE_out), sk).label == "input_path_missing"
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("kind", ["model", "kernel"])
 def test_every_builtin_gets_the_same_verdict_sketched(kind: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:

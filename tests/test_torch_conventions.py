@@ -146,6 +146,8 @@ SHARED = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("pad", [None, 1], ids=["no-padding", "bart-pad-token-1"])
 def test_several_lookup_modules_sharing_the_parameter_are_correct(tmp_path: Path,
                                                                   pad: int | None) -> None:
@@ -206,6 +208,8 @@ FUNCTIONAL_HEAD = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("module, source", [("conv_tied_linear", TIED_LINEAR),
                                             ("conv_functional_head", FUNCTIONAL_HEAD)],
                          ids=["torchtune-TiedLinear", "x-at-wte-weight-T"])
@@ -322,6 +326,8 @@ FLOAT_LOGITS = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("module, source", [("conv_cfg_bf16", CFG_BF16),
                                             ("conv_float_logits", FLOAT_LOGITS)],
                          ids=["cfg-dtype-bfloat16", "float-logits-from-bfloat16"])
@@ -378,6 +384,8 @@ RETURN_EMBEDDINGS = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("module, source", [("conv_kwonly_targets", KEYWORD_TARGETS),
                                             ("conv_return_embeddings", RETURN_EMBEDDINGS)],
                          ids=["keyword-only-targets", "return-embeddings-flag"])
@@ -439,6 +447,8 @@ def test_a_context_length_in_a_config_dict_sets_the_sequence_length(tmp_path: Pa
     assert any("context 12 positions" in n for n in rep.notes), rep.notes
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("name", ["pos_embedding", "wpe"])
 def test_a_position_table_shorter_than_16_sets_the_sequence_length(tmp_path: Path,
                                                                    name: str) -> None:
@@ -546,6 +556,8 @@ assert FINISH_BODY in DEFERRED
 FINISH_BY_ATTRIBUTE = """        model.lm_head.backward_dw()"""
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("finish", ["every-module", "by-attribute"])
 def test_after_backward_finishes_a_deferred_weight_gradient(tmp_path: Path, finish: str) -> None:
     # after_backward is handed the user's model: a finish step that names its layer
@@ -555,6 +567,8 @@ def test_after_backward_finishes_a_deferred_weight_gradient(tmp_path: Path, fini
     assert_correct(check(tmp_path, f"conv_deferred_{finish.replace('-', '_')}", source))
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_without_after_backward_the_deferred_head_gradient_is_missing(tmp_path: Path) -> None:
     rep = check(tmp_path, "conv_deferred_unfinished", DEFERRED, attr="unfinished")
     assert rep.load_error is None, summary(rep)

@@ -136,6 +136,8 @@ def details(rep: CheckReport, check: str) -> list[str]:
 
 # --- nn.Embedding(max_norm=...) ------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("max_norm", [1.0, 1.7], ids=["every-row-renormalised",
                                                       "rows-on-both-sides-of-max-norm"])
 def test_a_tied_max_norm_lookup_is_correct(tmp_path: Path, max_norm: float) -> None:

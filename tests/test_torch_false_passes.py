@@ -158,6 +158,8 @@ WRONG_LOSS_LABELS = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("module, source", [("fp_loss_targets", WRONG_LOSS_TARGETS),
                                             ("fp_loss_labels", WRONG_LOSS_LABELS)],
                          ids=["forward-targets", "forward-labels"])
@@ -242,6 +244,8 @@ CHUNKED = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("module, keep", [
     ("fp_first_16_positions", "lambda t: t[:, :16]"),
     ("fp_first_sequence", "lambda t: t[:1]")], ids=["positions-past-16", "sequences-past-1"])

@@ -29,6 +29,8 @@ BUILTINS = sorted(TORCH_BUILTINS)
 BROKEN = [n for n in BUILTINS if TORCH_BUILTINS[n].breaks is not None]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("name", BUILTINS)
 def test_every_torch_builtin_gets_its_label_from_check(name: str) -> None:
     b = TORCH_BUILTINS[name]
@@ -204,6 +206,8 @@ PADDED_ADAPTER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("attr,code,label", [("good", 0, None),
                                              ("masked_both", 1, "padding_row_masked"),
                                              ("ignores_it", 1, None)])
@@ -276,6 +280,8 @@ target = TorchTarget(model=M, batch_size=2, seq_len=5)
 """
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("uses_noise, batch_bug, code, finding", [
     (True, False, 0, "n/a  micro-batches accumulate"),
     (False, True, 1, "FAIL micro-batches accumulate")])

@@ -222,6 +222,8 @@ MASK_PATH = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_path_taken_only_when_an_attention_mask_is_passed(tmp_path: Path) -> None:
     rep = check(tmp_path, "cfg_mask_path", MASK_PATH)
     assert_wrong(rep, "input_path_missing")
@@ -258,6 +260,8 @@ DROPOUT = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_fused_embedding_dropout_that_forgets_its_scale(tmp_path: Path) -> None:
     rep = check(tmp_path, "cfg_dropout", DROPOUT, only="absent-tokens")
     assert_wrong(rep, "input_path_wrong", "path_scaled")
@@ -283,6 +287,8 @@ LABELS_PATH = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_labels_path_that_differs_from_the_explicit_loss_path(tmp_path: Path) -> None:
     rep = check(tmp_path, "cfg_labels_path", LABELS_PATH)
     assert_wrong(rep, "output_path_missing", "output_path_wrong")
@@ -321,6 +327,8 @@ AUTOCAST_HEAD = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_head_halved_only_under_autocast(tmp_path: Path) -> None:
     plain = check(tmp_path, "cfg_autocast_head", AUTOCAST_HEAD, only="absent-tokens")
     assert_correct(plain)  # right without autocast: the bug is in that path alone
@@ -378,6 +386,8 @@ STEP = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("zero_first, zero_each, optimizer, code, label", [
     ("optimizer.zero_grad()", "", "optimizer", 0, "correct"),
     ("", "", "optimizer", 1, "gradient_not_zeroed"),
@@ -421,6 +431,8 @@ PADDING_ROW = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_padding_row_nothing_names_real_is_never_drawn_as_a_real_token(tmp_path: Path
                                                                           ) -> None:
     rep = check(tmp_path, "cfg_padding_row", PADDING_ROW)
@@ -443,6 +455,8 @@ KEYWORDS = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_forward_with_required_targets_and_labels_is_handed_both(tmp_path: Path) -> None:
     assert_correct(check(tmp_path, "cfg_keywords", KEYWORDS))
 
@@ -463,6 +477,8 @@ LOSS_READS_MODEL = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("model, code", [("TinyGPT", 0), ("Detached", 0)])
 def test_a_loss_that_reads_the_models_attributes_gets_the_users_model(tmp_path: Path,
                                                                      model: str,
@@ -495,6 +511,8 @@ SHORT_POSITIONS = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_position_table_shorter_than_the_declared_context_is_fitted(tmp_path: Path) -> None:
     rep = check(tmp_path, "cfg_short_positions", SHORT_POSITIONS)
     assert_correct(rep)
@@ -535,6 +553,8 @@ CHUNKED_ASSIGN = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_chunked_lookup_backward_that_assigns_each_chunk(tmp_path: Path) -> None:
     # issue 50 section 7: at the old 2 x 32 tokens the batch was one chunk, and it passed
     rep = check(tmp_path, "cfg_chunked_assign", CHUNKED_ASSIGN, only="absent-tokens")

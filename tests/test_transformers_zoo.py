@@ -134,6 +134,8 @@ def _check(entry: ZooEntry) -> subprocess.CompletedProcess[str]:
                           cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("entry", [_param(e) for e in ZOO])
 def test_tyingspec_check_gives_each_architecture_its_verdict(entry: ZooEntry) -> None:
     run = _check(entry)

@@ -164,6 +164,8 @@ def test_a_kernel_launching_no_triton_kernel_is_not_interpreted() -> None:
     assert got["interpreted"] is None and got["block_seen"] is None  # ...no kernel of its
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize(("target", "construct"), [
     ("InlineAsm", "inline assembly (tl.inline_asm_elementwise)"),
     ("Erfinv", "the libdevice function __nv_erfinvf"),
