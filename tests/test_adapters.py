@@ -339,6 +339,8 @@ def test_a_result_block_whose_dE_has_gone_takes_a_later_dE_and_never_a_live_one(
         target.close()
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("attr,label", [("clean", "correct"), ("writes_E", "inputs_mutated")])
 def test_a_first_call_prepared_while_the_worker_loads_is_sent_the_blocks_written_then(
         tmp_path, monkeypatch, attr: str, label: str) -> None:  # type: ignore[no-untyped-def]
@@ -387,6 +389,8 @@ def test_inputs_written_ahead_are_sent_only_for_the_same_arrays(
         target.close()
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_large_bfloat16_dE_comes_back_as_bfloat16_bit_for_bit(
         tmp_path) -> None:  # type: ignore[no-untyped-def]
     from tyingspec._src.core.tolerance import numpy_dtype
@@ -407,6 +411,8 @@ def test_a_large_bfloat16_dE_comes_back_as_bfloat16_bit_for_bit(
         target.close()
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("attr", ["hangs", "segfaults"])
 def test_a_worker_that_dies_in_a_large_call_leaves_no_shared_memory(
         tmp_path, attr: str) -> None:  # type: ignore[no-untyped-def]

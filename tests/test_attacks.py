@@ -187,6 +187,8 @@ def test_a_baseline_through_a_symlink_keeps_the_link_and_the_mode(repo: Path) ->
     assert oct(real.stat().st_mode & 0o777) == oct(0o640)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("details", ["[1, 2]", '"text"', "3", "[" * 100000 + "]" * 100000],
                          ids=["list", "string", "int", "nested-100000-deep"])
 def test_a_malformed_baseline_is_a_usage_error_not_a_traceback(repo: Path, details: str) -> None:

@@ -243,6 +243,8 @@ def test_each_replay_is_a_usage_error(repo: Path, argv: list[str], words: list[s
     assert "Traceback" not in text and "passed" not in text, text[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_replay_as_printed_still_runs(repo: Path) -> None:
     # the validation refuses what cannot run, not what a failure prints
     out = run_plugin(repo, "--tyingspec-adapter=ce-scale-dropped", "--tyingspec-kind=linear-ce",

@@ -255,6 +255,8 @@ def test_round_trip_and_config(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert p["state"] == "equal"
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_evaluate_table(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                         files: dict[str, str]) -> None:
     def table(name: str) -> dict[str, str]:

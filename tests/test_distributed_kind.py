@@ -182,6 +182,8 @@ def test_bad_input_is_an_adapter_error_naming_the_rank(changes, words) -> None:
         assert w in str(err.value), str(err.value)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_hung_rank_is_named_within_the_timeout(monkeypatch) -> None:
     import time
 

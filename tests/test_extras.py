@@ -64,6 +64,8 @@ def models(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize(("argv", "extra"), [
     (["check", "gpt2", "--kind", "torch", "--case", "absent-tokens"], "transformers"),
     (["check", "gpt2", "--case", "absent-tokens"], "transformers"),  # its own kind: torch

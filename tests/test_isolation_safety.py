@@ -557,6 +557,8 @@ def test_a_check_piped_to_cat_ends_with_its_run_and_the_child_the_target_left(
         "a child the target left outlived the run"
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("how", HOW)
 def test_the_api_ends_the_child_a_target_left_and_keeps_a_worker_that_left_none(
         strays: Path, how: str) -> None:

@@ -106,6 +106,8 @@ def _describe(spec: str, obj: object) -> dict[str, object]:
     return tie
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("module,attr,form,table", [
     ("nnx_model", "make_model", "nnx", "embed/embedding"),
     ("linen_model", "target", "linen", "params/Embed_0/embedding"),

@@ -170,6 +170,8 @@ def linen_sliced_positions() -> JaxTarget:
                                                        jnp.zeros((2, 8), jnp.int32)))
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("attr,context,where", [
     ("nnx_declared_context", 96, "LM.config.max_len"),
     ("nnx_position_table", 40, "position table wpe/embedding [40, 8]"),

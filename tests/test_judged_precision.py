@@ -87,6 +87,8 @@ def adapters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return "mixed_precision"
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("target, kind", [("model_f32", "model"), ("kernel_f32", "kernel"),
                                           ("linear_ce_f32", "linear-ce")])
 def test_a_float32_result_returned_as_float64_is_judged_at_float32_and_passes(

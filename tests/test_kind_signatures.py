@@ -5,6 +5,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import tyingspec
 
 FEW_OPTIONS = textwrap.dedent('''
@@ -23,6 +25,8 @@ FEW_OPTIONS = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_liger_style_class_with_one_option_is_a_linear_ce_kernel(tmp_path: Path) -> None:
     # it was refused as "looks like a torch adapter": fewer than four constructor parameters
     (tmp_path / "few_options_kernel.py").write_text(FEW_OPTIONS)

@@ -170,6 +170,8 @@ def test_the_kernel_property_names_the_bug(name: str) -> None:
     PROPERTIES["ce_kernel_outputs"].check(load("ce-numpy", "linear-ce"), case)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("adapter,code,label", [("ce-numpy", 0, None),
                                                 ("ce-z-loss-missing", 1, "z_loss_missing")])
 def test_the_plugin_runs_the_linear_ce_properties(scratch: Scratch, adapter: str, code: int,
@@ -182,6 +184,8 @@ def test_the_plugin_runs_the_linear_ce_properties(scratch: Scratch, adapter: str
         assert label in out and "--tyingspec-replay=" in out
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_bfloat16_inputs_reach_a_torch_kernel_and_are_judged_at_bfloat16() -> None:
     good = check_target("ce-torch", "linear-ce", 0, CASES, precision="bfloat16")
     assert good.exit_code == 0 and {r.precision for r in good.results} == {"bfloat16"}

@@ -183,6 +183,8 @@ def test_closed_form_equals_central_differences_of_the_contract(p: Problem) -> N
 SYMBOLIC_SHAPES = [(1, 3), (3, 2), (4, 3)]  # (V, d)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("bias,softcap", list(itertools.product([False, True], [None, 2.5])))
 def test_closed_form_equals_sympy_for_every_option_combination(bias: bool,
                                                                softcap: float | None) -> None:

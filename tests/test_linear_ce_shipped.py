@@ -65,6 +65,8 @@ def test_padded_lanes_in_the_logsumexp_are_named_with_the_lanes() -> None:
     assert "27 more logits of -2" in text and "lanes 37..63" in text
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_kwargs_constructor_is_asked_what_it_takes() -> None:
     """nn.CrossEntropyLoss behind ``**kwargs`` refuses softcap and the rest: those cases are
     left out, not run into a TypeError (exit 2)."""
@@ -91,6 +93,8 @@ def test_a_reduction_asserted_to_mean_or_sum_leaves_none_out() -> None:
     assert any(n.startswith("left out ce-none") for n in report.notes)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_every_option_runs_in_every_low_precision() -> None:
     """Each option's case again in bfloat16 and float16: a kernel whose half-precision branch
     drops the logit scale is caught there (the old option-free bfloat16 case passed it)."""
@@ -270,6 +274,8 @@ def test_device_cuda_runs_the_torch_kernel_on_the_gpu_with_the_same_verdicts() -
         assert gpu.exit_code == cpu.exit_code and gpu.diagnosis_label == cpu.diagnosis_label
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_the_device_flag_reaches_the_command_line() -> None:
     """``--device cuda`` from the command line: the kernel's verdict on a GPU, and without one
     an adapter error saying so (exit 2), never a silent run on the CPU."""

@@ -273,6 +273,8 @@ def test_reference_is_torch_cross_entropy(name: str, reduction: str) -> None:
 
 # --- the correct built-ins -------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("name", list(BATCHES))
 def test_correct_float64(name: str, reduction: str) -> None:

@@ -171,6 +171,8 @@ def test_an_E_that_is_no_longer_the_drawn_one_is_not_taken_for_its_factors(
     np.testing.assert_array_equal(p.g, q.g)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("kind", ["model", "kernel"])
 def test_every_builtin_gets_the_same_verdict_on_a_low_rank_E(
         kind: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -90,6 +90,8 @@ MAY_SAY = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("bug", sorted(MAY_SAY))
 def test_no_drawn_example_gets_a_label_its_rows_do_not_explain(bug: str) -> None:
     target = load(f"out_of_catalogue:{bug}", "model", paths=(str(HERE),))

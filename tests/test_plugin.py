@@ -218,6 +218,8 @@ def test_the_baseline_gate_fails_a_run_in_which_a_previously_passing_property_fa
     assert json.loads(baseline.read_text()) == recorded, "only the update flag rewrites it"
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.usefixtures("outside_ci")
 def test_the_baseline_gate_fails_under_xdist_even_when_pytest_counts_nothing_as_failed(
         repo: Scratch) -> None:

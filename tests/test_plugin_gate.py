@@ -88,6 +88,8 @@ def test_a_model_wrong_from_its_first_call_fails_the_tie_property_with_that_diag
         recorded["details"]["sum_of_paths"] == "input_path_missing"
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_torch_model_whose_uses_cannot_be_observed_fails_gradient_by_path_with_its_diagnosis(
         repo: Scratch) -> None:
     # nanogpt-input-path-dropped reads its embedding through .detach(): no use of the tied

@@ -179,6 +179,8 @@ FAST = ("--tyingspec-profile=ci", "--tyingspec-max-examples=5", "-k",
         "sum_of_paths or inputs_untouched")
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["in-process", "xdist-n2"])
 def test_the_plugin_says_when_each_property_starts_and_ends(
         scratch: Scratch, xdist: tuple[str, ...]) -> None:

@@ -136,6 +136,8 @@ def test_property_holds_for_a_correct_implementation(prop: str, kind: str, name:
     check()
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("prop,kind,mutant,labels", TARGETS,
                          ids=[f"{p}-{k}-{m}" for p, k, m, _ in TARGETS])
 def test_property_catches_its_target_mutant_with_the_right_diagnosis(

@@ -292,6 +292,8 @@ def test_init_coupling_smoke_doubling_factors() -> None:
 SETUP_KEYS = {"task", "V", "d", "N", "init", "optimizer", "steps"}
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_cli_writes_json_with_setup_claim_measured_and_verdict(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -266,6 +266,8 @@ MINGPT = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_lambda_closing_over_its_module_with_dropout_configured_is_correct(
         tmp_path: Path) -> None:
     rep = check(tmp_path, "conv_mingpt_lambda", MINGPT)
@@ -478,6 +480,8 @@ SCALE_GRAD_BY_FREQ = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_scale_grad_by_freq_is_torchs_declared_semantics(tmp_path: Path) -> None:
     rep = check(tmp_path, "conv_scale_grad_by_freq", SCALE_GRAD_BY_FREQ)
     assert_correct(rep)
@@ -648,6 +652,8 @@ RAISING_OPTIMIZER = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_target_optimizer_that_raises_is_an_adapter_error(tmp_path: Path) -> None:
     rep = check(tmp_path, "conv_raising_optimizer", RAISING_OPTIMIZER)
     assert rep.exit_code == 2, summary(rep)
@@ -699,6 +705,8 @@ FUNCTION_LOOKUP = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_custom_function_lookup_with_a_correct_backward_is_correct(tmp_path: Path) -> None:
     rep = check(tmp_path, "conv_function_lookup", FUNCTION_LOOKUP)
     assert_correct(rep)
@@ -731,6 +739,8 @@ DETACHED_LOOKUP = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_detached_lookup_is_named_input_path_missing_after_training_steps_too(
         tmp_path: Path) -> None:
     # On a batch of repeated tokens every present row is a repeated token's row, so "exactly

@@ -245,6 +245,8 @@ def test_a_parametrized_tied_table_is_correct(tmp_path: Path, how: str) -> None:
     assert all("exactly one update" in d for d in details(rep, "optimizer SGD")), summary(rep)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_parametrized_table_whose_lookup_drops_repeats_is_still_caught(tmp_path: Path) -> None:
     rep = check(tmp_path, "cm_parametrized_last_only", '''
         class Broken(FunctionalHeadLM):

@@ -101,6 +101,8 @@ def _logged(tmp_path: Path, attr: str, **setting: str) -> tuple[CheckReport, lis
     return report, [json.loads(line) for line in lines]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_the_targets_device_reaches_the_model_its_batches_its_loss_and_its_step(
         tmp_path: Path) -> None:
     report, entries = _logged(tmp_path, "on_cpu")
@@ -120,6 +122,8 @@ def test_the_targets_device_reaches_the_model_its_batches_its_loss_and_its_step(
     assert "on cpu, judged on the CPU" in configuration.detail
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_without_a_device_the_model_is_not_moved(tmp_path: Path) -> None:
     report, entries = _logged(tmp_path, "default")
     assert report.exit_code == 0, summary(report)
@@ -173,6 +177,8 @@ def test_a_target_on_cuda_without_cuda_is_an_adapter_error(tmp_path: Path) -> No
     assert "--device cuda: torch sees no CUDA device here" in summary(report)
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("attr, words", [("on_meta", "the meta device holds no values"),
                                          ("on_nowhere", "--device nowhere: torch cannot place")])
 def test_a_device_torch_cannot_compute_on_is_an_adapter_error(tmp_path: Path, attr: str,

@@ -205,6 +205,8 @@ FLOAT32_ONLY = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_duplicates_dropped_only_in_float32(tmp_path: Path) -> None:
     rep = check(tmp_path, "fp_float32_only", FLOAT32_ONLY)
     assert_wrong(rep, "duplicates_not_accumulated")

@@ -117,6 +117,8 @@ def test_a_model_without_a_tie_exits_2(tmp_path: Path) -> None:
     assert "found no tie" in run.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_user_module_runs_isolated_with_a_torch_target_spec(tmp_path: Path) -> None:
     # a plain logits model named through TorchTarget: the default loss convention applies
     (tmp_path / "plain_model.py").write_text(textwrap.dedent("""
@@ -171,6 +173,8 @@ def test_padding_idx_is_honoured_not_reported() -> None:
 PLUGIN_ADAPTERS = [("nanogpt", 0, None), ("nanogpt-grad-assigned", 1, "gradient_assigned")]
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 @pytest.mark.parametrize("adapter,code,label", PLUGIN_ADAPTERS)
 def test_the_plugin_runs_the_torch_properties(scratch: Scratch, adapter: str, code: int,
                                               label: str | None) -> None:

@@ -125,6 +125,8 @@ FIRST_128 = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_lookup_right_for_the_first_128_positions_of_a_512_context(tmp_path: Path) -> None:
     rep = check(tmp_path, "cfg_first_128", FIRST_128, only="repeated-tokens")
     assert_wrong(rep, "input_path_wrong")
@@ -145,6 +147,8 @@ PAST_256 = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_lookup_that_drops_repeats_past_256_tokens_a_batch(tmp_path: Path) -> None:
     rep = check(tmp_path, "cfg_past_256", PAST_256, only="repeated-tokens")
     assert_wrong(rep, "duplicates_not_accumulated")
@@ -173,6 +177,8 @@ AFTER_FIVE = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_bug_that_starts_after_the_fifth_forward(tmp_path: Path) -> None:
     rep = check(tmp_path, "cfg_after_five", AFTER_FIVE, only="absent-tokens")
     assert_wrong(rep, "input_path_missing")
@@ -199,6 +205,8 @@ COUNTS_PADDING = '''
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.moved
 def test_a_loss_that_counts_the_ignored_positions_in_its_mean(tmp_path: Path) -> None:
     rep = check(tmp_path, "cfg_counts_padding", COUNTS_PADDING)
     assert_wrong(rep, "ignored_counted_in_mean")
