@@ -50,6 +50,29 @@ def stop_lookup():
     return JaxTarget(loss_fn=loss_fn, params=_params)
 
 
+def stop_lookup_output():
+    """``stop_gradient`` on what the lookup read (torch's ``.detach()`` of ``E[t]``), not on
+    the table: the reference once stopped there too, and the rows agreed."""
+    def loss_fn(p, t, y):
+        E = p["embed"]
+        x = jax.lax.stop_gradient(E[t])
+        return _ce((x + jnp.tanh(x @ p["w"])) @ E.T, y)
+    return JaxTarget(loss_fn=loss_fn, params=_params)
+
+
+def stopped_max():
+    """A correct loss whose logsumexp subtracts a stopped max: a stop below a use that
+    changes no path's gradient."""
+    def loss_fn(p, t, y):
+        E = p["embed"]
+        x = E[t]
+        z = (x + jnp.tanh(x @ p["w"])) @ E.T
+        m = jax.lax.stop_gradient(z.max(-1, keepdims=True))
+        lse = m[..., 0] + jnp.log(jnp.exp(z - m).sum(-1))
+        return jnp.mean(lse - jnp.take_along_axis(z, y[..., None], -1)[..., 0])
+    return JaxTarget(loss_fn=loss_fn, params=_params)
+
+
 def stop_head():
     def loss_fn(p, t, y):
         E = p["embed"]
@@ -208,6 +231,8 @@ FORMS = [
     ("cond_remat", "correct"),
     ("donating", "correct"),
     ("stop_lookup", "input_path_missing"),
+    ("stop_lookup_output", "input_path_missing"),
+    ("stopped_max", "correct"),
     ("stop_head", "output_path_missing"),
     ("copied_dense", "tie_is_a_copy"),
     ("scan_head_halved", "path_scaled"),

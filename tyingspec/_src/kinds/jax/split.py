@@ -77,6 +77,9 @@ class Recorder:
     # position table read as ``pe[:, :T]``: the context is its size on that axis)
     slices: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = field(
         default_factory=list)
+    # id of the value each lookup returned -> its index in ``lookups`` (the values stay alive
+    # in the evaluation's environment, so an id is not reused while it is read)
+    read: dict[int, int] = field(default_factory=dict)
 
 
 def _inner(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
@@ -190,6 +193,13 @@ def _row_and_column(params: dict[str, Any]) -> bool:
 
 def _apply(eqn: Any, ins: list[Any], rec: Recorder) -> list[Any]:
     tied = [i for i, x in enumerate(ins) if isinstance(x, Tied)]
+    if not tied and eqn.primitive.name == "stop_gradient" and id(ins[0]) in rec.read:
+        # on what a lookup read (`stop_gradient(E[t])`, torch's `.detach()` of it), as on the
+        # table itself: followed through unstopped, so that the reference is the gradient of
+        # every use, and that lookup is marked as stopped by the model.  Stops elsewhere (the
+        # stopped max of a logsumexp) are the model's own arithmetic and stay.
+        rec.lookups[rec.read[id(ins[0])]]["stopped"] = True
+        return list(ins)
     if not tied:
         return _bind(eqn, ins)
     name = eqn.primitive.name
@@ -258,6 +268,7 @@ def _lookup(eqn: Any, ins: list[Any], t: Tied, rec: Recorder) -> Any:
                         "stopped": t.stopped})
     if rec.probes is not None:
         out = out + rec.probes["x"][k]
+    rec.read[id(out)] = k
     return out
 
 
