@@ -434,7 +434,10 @@ def test_a_signal_to_tyingspec_ends_its_worker_and_what_the_target_forked(
         [str(BIN / "tyingspec"), "check", "forkers:forks_and_hangs", "--kind", "model",
          "--case", "absent-tokens", "--shape", "1024,256,16", "--timeout", "600"],
         cwd=forkers, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": ""})
+        env={**os.environ, "PYTHONPATH": ""},
+        # a Ctrl-C's default action, whatever this test's process does with SIGINT (a
+        # SIGINT ignored here would be ignored by tyingspec too, and the test would hang)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert _within(60, lambda: bool(_pids(forkers, "workers"))), "the target never ran"
         (worker,), (child,) = _pids(forkers, "workers"), _pids(forkers, "children")
