@@ -38,7 +38,7 @@ CHANGELOG = ROOT / "CHANGELOG.md"
 README = ROOT / "README.md"
 #: the README's plugin quick start, run in a folder holding a copy of examples/numpy_model
 PLUGIN_COMMAND = ("pytest examples/numpy_model "
-                  "--tyingspec-adapter=examples.numpy_model.grads:tied_backward -n auto")
+                  "--tyingspec-adapter=examples.numpy_model.grads:tied_backward")
 
 
 # --- the version: one number -----------------------------------------------------------------
