@@ -20,8 +20,7 @@ import pytest
 import torch_sources
 from torch_sources import shapes, summary
 
-from tyingspec._src.front.check import CheckReport, check_target
-from tyingspec._src.kinds.table import kind_spec
+from tyingspec._src.front.check import CheckReport
 
 #: A tiny GPT whose lookup and head a subclass replaces; its context, dropout and forward's
 #: extra arguments are set per model.
@@ -74,13 +73,8 @@ PRELUDE = torch_sources.PRELUDE + textwrap.dedent('''
 
 def check(tmp_path: Path, module: str, source: str, *, only: str | None = None,
           **flags: str) -> CheckReport:
-    """``tyingspec check module:make_model --kind torch`` (``flags``: ``autocast=``,
-    ``compile=``, as the command line's)."""
-    (tmp_path / f"{module}.py").write_text(PRELUDE + textwrap.dedent(source))
-    cases = [c for c in kind_spec("torch").cases(0) if only in (None, c.name)]
-    for key, value in flags.items():
-        cases = [c.with_setting(key, value) for c in cases]
-    return check_target(f"{module}:make_model", "torch", 0, cases, paths=(str(tmp_path),))
+    """:func:`torch_sources.check` with this file's models."""
+    return torch_sources.check(tmp_path, module, source, prelude=PRELUDE, only=only, **flags)
 
 
 def assert_wrong(rep: CheckReport, *labels: str) -> None:

@@ -43,12 +43,15 @@ PRELUDE = textwrap.dedent('''
 
 
 def check(tmp_path: Path, module: str, source: str, attr: str = "make_model", *,
-          prelude: str = PRELUDE, only: str | None = None) -> CheckReport:
+          prelude: str = PRELUDE, only: str | None = None, **flags: str) -> CheckReport:
     """``tyingspec check module:attr --kind torch`` on every standard case (``only``: on that
-    one, for a model whose every case runs the forward check to its budget)."""
+    one, for a model whose every case runs the forward check to its budget; ``flags``:
+    ``autocast=``, ``compile=``, as the command line's)."""
     (tmp_path / f"{module}.py").write_text(prelude + textwrap.dedent(source))
     cases = [c for c in kind_spec("torch").cases(0) if only in (None, c.name)]
     assert cases
+    for key, value in flags.items():
+        cases = [c.with_setting(key, value) for c in cases]
     return check_target(f"{module}:{attr}", "torch", 0, cases, paths=(str(tmp_path),))
 
 
