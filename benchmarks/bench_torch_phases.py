@@ -6,10 +6,10 @@ Run from the repository root::
     python -m benchmarks.bench_torch_phases               # --repeats 3, the ten below
     python -m benchmarks.bench_torch_phases --repeats 1 --arch gpt2 llama
 
-For each architecture (a tiny config from ``tests/transformers_zoo.py``: V=97, d=32, 2 layers,
+For each architecture (a tiny config from ``zoos/transformers_zoo.py``: V=97, d=32, 2 layers,
 nothing downloaded), interleaved over ``--repeats`` rounds:
 
-- (T) the whole command ``tyingspec check tests.transformers_zoo:<factory> --kind torch`` as a
+- (T) the whole command ``tyingspec check zoos.transformers_zoo:<factory> --kind torch`` as a
   subprocess: start-up, the worker, every case and every check;
 - in one fresh subprocess per round, the same cases run in-process (``isolate=False``) with
   each phase of the torch kind's call timed: the imports (torch, transformers, the zoo), the
@@ -55,7 +55,7 @@ ADDED = ("identity+optimizer", "forward", "fresh", "micro-batches", "training st
 def phases(factory: str) -> dict[str, float]:
     """Run in a fresh process: every case of ``tyingspec check`` in-process, phases timed."""
     t0 = time.perf_counter()
-    import tests.transformers_zoo  # noqa: F401  (torch and transformers with it)
+    import zoos.transformers_zoo  # noqa: F401  (torch and transformers with it)
     from tyingspec._src.kinds.torch import adapter
     imports = time.perf_counter() - t0
     spent = dict.fromkeys(PHASES, 0.0)
@@ -89,7 +89,7 @@ def phases(factory: str) -> dict[str, float]:
     from tyingspec._src.kinds.table import kind_spec
 
     t1 = time.perf_counter()
-    target = load(f"tests.transformers_zoo:{factory}", "torch", isolate=False)
+    target = load(f"zoos.transformers_zoo:{factory}", "torch", isolate=False)
     cases, _ = shaped(target, kind_spec("torch").cases(0))
     for case in cases:
         observe(target, case)
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for arch in a.arch:
             factory = ARCHS[arch]
             t0 = time.perf_counter()
-            run = subprocess.run(tyingspec_cmd() + ["check", f"tests.transformers_zoo:{factory}",
+            run = subprocess.run(tyingspec_cmd() + ["check", f"zoos.transformers_zoo:{factory}",
                                            "--kind", "torch"], cwd=REPO, capture_output=True,
                                  text=True)
             whole[arch].append(time.perf_counter() - t0)

@@ -2,6 +2,7 @@
 and the scratch directories the plugin's end-to-end tests run pytest in."""
 
 import contextlib
+import importlib.util
 import io
 import os
 import sys
@@ -18,6 +19,23 @@ settings.register_profile("dev", max_examples=30, deadline=None,
 settings.register_profile("ci", settings.get_profile("ci"), max_examples=30,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+def _import_zoos() -> None:
+    """Import ``zoos/`` (the model zoos the tests share with ``benchmarks/``) as the package
+    ``zoos``, without putting the repository's root on ``sys.path``: from there ``import
+    tyingspec`` would find the source folder, which lacks the ``tyingspec.properties`` that the
+    install maps in."""
+    root = Path(__file__).resolve().parents[1] / "zoos"
+    spec = importlib.util.spec_from_file_location("zoos", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["zoos"] = module
+    spec.loader.exec_module(module)
+
+
+_import_zoos()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Distributed targets written as users write them, right and wrong, for
-``tests/test_distributed_steps.py``, and what the tests of the kind share to see that nothing
-is left behind (processes, listening ports).
+``tests/kinds/distributed/test_distributed_steps.py``, and what the tests of the kind share to
+see that nothing is left behind (processes, listening ports).
 
 The targets are the quick start's pipeline (``examples/distributed/pipeline.py``: a tied model
 cut into any number of stages, each replicated over ``dp`` ranks) with momentum SGD, and one

@@ -1,4 +1,5 @@
-"""Linear-ce kernels shaped like what shipped, for ``tests/test_linear_ce_shipped.py``.
+"""Linear-ce kernels shaped like what shipped, for
+``tests/kinds/linear_ce/test_linear_ce_shipped.py``.
 
 Each is the correct code of ``kinds.linear_ce.zoo`` (or torch's own cross-entropy) with one
 thing as a released kernel had it: an option taken and ignored (Liger 0.2.0's

@@ -1,7 +1,7 @@
 """Bugs outside tyingspec's catalogue, written the way users write them (numpy model adapters,
 ``f(E, W, b, tokens, targets, *, res, s_in)``).  No catalogue label's pattern explains their
-wrong rows, so the honest verdict names only what the rows show (``tests/test_out_of_catalogue.py``
-holds ``tyingspec check`` and the pytest plugin to it)."""
+wrong rows, so the honest verdict names only what the rows show
+(``tests/core/test_out_of_catalogue.py`` holds ``tyingspec check`` and the pytest plugin to it)."""
 import numpy as np
 
 

@@ -11,6 +11,7 @@ name each other's types without loading each other.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -270,3 +271,32 @@ def test_isolation_re_exports_its_parts_names_and_a_name_set_on_it_reaches_each_
     assert handle._write_result is len
     monkeypatch.undo()
     assert handle.RESULTS_KEPT == 1 << 30 and serving._write_result is not len
+
+
+#: a path of the repository's own tests or zoos, as docs, comments and CI scripts name them
+_NAMED_PATH = re.compile(r"\b((?:tests|zoos)/[A-Za-z0-9_/]+\.py)\b")
+
+
+def _named_paths() -> list[tuple[str, str]]:
+    root = PACKAGE.parent
+    out = []
+    for pattern in ("*.md", "docs/*.md", "pyproject.toml", ".ci/*", "**/*.py"):
+        for f in sorted(root.glob(pattern)):
+            if any(part.startswith(".") and part != ".ci" for part in f.relative_to(root).parts) \
+                    or not f.is_file() or f.name == "speed-journal.md":
+                continue
+            for m in _NAMED_PATH.finditer(f.read_text(errors="replace")):
+                if not m.group(1).startswith("tests/models/"):  # transformers' own tests
+                    out.append((str(f.relative_to(root)), m.group(1)))
+    return out
+
+
+def test_every_test_file_named_in_the_repository_exists() -> None:
+    """The tests mirror the source's folders (``tests/core/``, ``tests/kinds/torch/``, ...): a
+    doc, comment or CI script that names a test by a path it no longer has sends a reader to
+    nothing.  (The dated speed journal keeps the paths of its day.)"""
+    named = _named_paths()
+    assert len(named) > 50  # the docs do name tests: a pattern matching nothing proves nothing
+    missing = sorted({f"{where}: {path}" for where, path in named
+                      if not (PACKAGE.parent / path).exists()})
+    assert not missing, "\n".join(missing)

@@ -214,7 +214,7 @@ DRAW_BLOCK = 1 << 22
 #: their float32 bound).  With S every row reaches a direction of its own: E's rank is
 #: ``min(V, d)``, and the rows a batch reads span 32 + (the distinct ``t % d`` of its tokens)
 #: directions (about 600 of GPT-2's 768 for 1024 uniform tokens), ``h`` as many: no rank-k
-#: shortcut below that is exact on it (``tests/test_full_rank_E.py``).
+#: shortcut below that is exact on it (``tests/core/test_full_rank_E.py``).
 E_RANK = 32
 #: The share of E's variance S carries (the rest is the low-rank part's): enough that what a
 #: shortcut leaves out of S's directions is far beyond any rounding bound (a quarter of a

@@ -3,7 +3,7 @@ and a built-in that reaches it with the command that shows it.
 
 :data:`TABLE` is the README's label table ("What to look at in your code"), one row a label of
 ``core.labels.LABELS`` and the ``n/a`` that is not one: ``tyingspec explain --markdown``
-prints the table as the README holds it, and ``tests/test_explain.py`` keeps the two in step.
+prints the table as the README holds it, and ``tests/front/test_explain.py`` keeps the two in step.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ tyingspec's own result types, then the raw bytes of its arrays, in a numeric dty
 list).  :func:`_encode` makes a frame in the worker, :func:`_decode` reads one in the parent,
 calling no function the frame names; a frame that is not of that form is :class:`_Refused`,
 saying what was refused.  Both are plain functions of bytes and values: the format is tested
-without a process (``tests/test_wire_format.py``).
+without a process (``tests/engine/test_wire_format.py``).
 """
 
 from __future__ import annotations

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 #: The triton releases whose interpreter the fills are tested against
-#: (``tests/test_triton_interpreter.py``: 3.9.0 from the ``triton`` extra, 3.8.0 the one torch
-#: 2.14.1 brings, on which CI runs the torch tests again).  Another release still gets each
-#: fill whose gap it is found to have (a fill is applied only where the gap shows), and a gap
-#: left is named.
+#: (``tests/kinds/linear_ce/test_triton_interpreter.py``: 3.9.0 from the ``triton`` extra,
+#: 3.8.0 the one torch 2.14.1 brings, on which CI runs the torch tests again).  Another
+#: release still gets each fill whose gap it is found to have (a fill is applied only where the
+#: gap shows), and a gap left is named.
 SUPPORTED = ("3.8.0", "3.9.0")
 
 #: Device files whose presence means a GPU may be there (NVIDIA's driver, AMD's KFD): only

@@ -13,7 +13,7 @@ delayed-wgrad heads, the non-accumulating lookup and the padding mask live *insi
 there still see every plain lookup and head call), while the halving fused head and the
 detached lookup bypass those modules, as fused kernels and detached reads do.
 
-Two caveats for whoever judges them (both pinned in ``tests/test_torch_zoo.py``):
+Two caveats for whoever judges them (both pinned in ``tests/kinds/torch/test_torch_zoo.py``):
 ``nanogpt-padding`` is correct, yet along row 0 its gradient disagrees with central differences
 of its loss, because ``padding_idx`` stops the input path that the forward does use; and
 transformers' GPT-2 loss (``ForCausalLMLoss``) casts the logits to float32 even in a float64

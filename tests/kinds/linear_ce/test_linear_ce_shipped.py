@@ -4,7 +4,7 @@ constructor really takes, every option in every dtype, the precision a kernel co
 
 The kernels are in ``tests/linear_ce_shipped_targets.py`` (each the zoo's correct code with
 one released slip); the released Triton kernels themselves run in the slow tier
-(``tests/test_triton_kernels.py``).
+(``tests/kinds/linear_ce/test_triton_kernels.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tyingspec._src.kinds.linear_ce import kind
 from tyingspec._src.kinds.linear_ce.adapter import supported
 from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
 
-HERE = str(Path(__file__).parent)
+HERE = str(Path(__file__).parents[2])
 CASES = {c.name: c for c in kind.standard_ce_cases(0)}
 
 
@@ -239,7 +239,8 @@ def test_device_cuda_without_a_gpu_is_an_adapter_error_naming_it() -> None:
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: tests/test_linear_ce_shipped.py's GPU tests run")
+        pytest.skip("this machine has CUDA: "
+                    "tests/kinds/linear_ce/test_linear_ce_shipped.py's GPU tests run")
     case = CASES["ce-plain"].with_setting("device", "cuda")
     report = check_target("ce-torch", "linear-ce", 0, [case])
     assert report.exit_code == 2

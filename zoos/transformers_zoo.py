@@ -20,7 +20,7 @@ Dropout probabilities stay at each config's defaults, so a checker must handle a
 in train mode.  Each factory is deterministic given
 ``torch.manual_seed``; none seeds itself.
 
-:data:`ZOO` lists every entry with what ``tyingspec check tests.transformers_zoo:<factory>
+:data:`ZOO` lists every entry with what ``tyingspec check zoos.transformers_zoo:<factory>
 --kind torch`` must return.  Importing this module imports torch but not transformers (each
 transformers factory imports it on its first call).
 """

@@ -23,7 +23,7 @@ import pytest
 
 from tyingspec._src.kinds.linear_ce import interpreter
 
-TARGETS = Path(__file__).parent / "triton_targets"
+TARGETS = Path(__file__).parents[2] / "triton_targets"
 
 # torch's tests run again on the newest torch (.ci/run), whose wheel brings its own triton
 # (2.14.1: triton 3.8.0): so each supported release is pinned in CI, 3.9.0 by the `triton` extra

@@ -36,7 +36,7 @@ from tyingspec._src.kinds.distributed import launch, zoo  # noqa: E402
 from tyingspec._src.kinds.distributed.adapter import call_distributed  # noqa: E402
 from tyingspec._src.kinds.table import kind_spec  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 CASE = Case("random", V=53, d=8, N=48, seed=5)
 
 
@@ -293,7 +293,7 @@ def test_the_kill_matrix_kills_each_broken_builtin_with_its_label(impl, kind: st
 
 def _plugin(tmp_path: Path, adapter: str) -> subprocess.CompletedProcess[str]:
     # a user's run: a fresh interpreter in a directory holding no tests, the plugin from its
-    # entry point; derandomized and few examples, as tests/test_plugin.py runs it
+    # entry point; derandomized and few examples, as tests/front/test_plugin.py runs it
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider",
          f"--tyingspec-adapter={adapter}", "--tyingspec-kind=distributed",

@@ -4,7 +4,7 @@ fails the run instead of being recorded; the summary defines its invariant codes
 prints its case once (not again in Hypothesis' words) and a replay line short enough to paste.
 
 Each run is a pytest session in this process, in a scratch repository holding only an adapter
-module, as in tests/test_plugin.py."""
+module, as in tests/front/test_plugin.py."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ ADAPTERS = textwrap.dedent('''
     output_path_only_model = REGISTRY["output-path-only"].model
 ''')
 
-# Derandomized and few examples, as in tests/test_plugin.py: a broken adapter fails on the first.
+# Derandomized and few examples, as in tests/front/test_plugin.py: a broken adapter fails on
+# the first.
 FAST = ("--tyingspec-profile=ci", "--tyingspec-max-examples=10")
 
 

@@ -29,7 +29,7 @@ from tyingspec._src.core.diagnosis import LABELS
 from tyingspec._src.front.cli import main
 from tyingspec._src.kinds.table import KIND_NAMES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "tyingspec" / "schemas"
 DOC = ROOT / "docs" / "json-report.md"
 DRAFT = "https://json-schema.org/draft/2020-12/schema"

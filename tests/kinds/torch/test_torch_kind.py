@@ -309,9 +309,9 @@ def test_a_pad_token_named_in_a_composite_models_text_config_counts_and_no_other
     real model is in the transformers zoo (``gemma3-composite``); here, what counts as named:
     the text config does, a config of another vocabulary (the vision tower's) does not."""
     import torch
-    import transformers_zoo as zoo
 
     from tyingspec._src.kinds.torch.adapter import _declared_padding
+    from zoos import transformers_zoo as zoo
 
     torch.manual_seed(0)
     model = zoo.gemma3_composite()

@@ -3,7 +3,7 @@ modules and, read from the target's source, the modules the target imports.
 
 ``--kind torch`` on a transformers model, in an install with neither torch nor transformers,
 said ``pip install 'tyingspec[torch]'``; the next run, after that install, failed again on
-transformers.  The subprocess tests refuse the packages as tests/test_attacks_input.py does (a
+transformers.  The subprocess tests refuse the packages as tests/front/test_attacks_input.py does (a
 ``sitecustomize`` on ``PYTHONPATH`` putting a meta-path finder first, in the command and every
 worker it starts).
 """
@@ -28,7 +28,7 @@ from tyingspec._src.core.extras import (
     target_imports,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NO_TORCH = "torch,transformers,safetensors"  # an install of tyingspec alone
 
 # A user's module: make_model builds a transformers model through a helper; make_plain builds
@@ -56,7 +56,7 @@ USER_MODELS = textwrap.dedent('''
 
 @pytest.fixture()
 def models(tmp_path: Path) -> Path:
-    """A scratch folder holding tests/test_attacks_input.py's blocker and USER_MODELS."""
+    """A scratch folder holding tests/front/test_attacks_input.py's blocker and USER_MODELS."""
     (tmp_path / "block").mkdir()
     (tmp_path / "block" / "sitecustomize.py").write_text(BLOCKER)
     (tmp_path / "models").mkdir()  # a namespace package: no __init__.py

@@ -28,7 +28,7 @@ from tyingspec._src.front.baseline import EXIT_NO_POWER, apply_check_baseline
 from tyingspec._src.front.check import CheckFailed, NoPower, check_target
 from tyingspec._src.front.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_status_is_none_of_the_others() -> None:

@@ -82,7 +82,7 @@ def repo(tmp_path: Path) -> Path:
 def outside_ci(monkeypatch: pytest.MonkeyPatch) -> None:
     """A run that records a missing baseline is a developer's first run, not CI's: under CI
     (which runs this suite with CI=true) a missing baseline fails the run instead (see
-    tests/test_plugin_gate.py).  The subprocesses below inherit this environment."""
+    tests/front/test_plugin_gate.py).  The subprocesses below inherit this environment."""
     monkeypatch.delenv("CI", raising=False)
 
 

@@ -26,7 +26,7 @@ from tyingspec._src.front.kill_matrix import KILLED, run_property
 from tyingspec._src.kinds.probe.mutants import reset_state
 from tyingspec._src.kinds.table import KINDS
 
-PROPERTIES_DIR = Path(__file__).resolve().parents[1] / "properties"
+PROPERTIES_DIR = Path(__file__).resolve().parents[2] / "properties"
 
 EXPECTED_PROPERTIES = [
     "sum_of_paths", "absent_rows_are_output_path", "repeated_tokens_accumulate",
@@ -272,7 +272,7 @@ FINGERPRINT_ROWS = [(name, kind) for name, sig in SIGNATURES.items() for kind in
                          ids=[f"{n}-{k}" for n, k in FINGERPRINT_ROWS])
 def test_a_fingerprint_holds_for_its_mutant_and_fails_for_a_correct_implementation(
         name: str, kind: str) -> None:
-    # The Hypothesis run of each fingerprint (tests/test_mutants.py) only shows it holds; this
+    # The Hypothesis run of each fingerprint (tests/front/test_mutants.py) only shows it holds; this
     # shows it can fail: the correct implementation of the same kind does not have it.
     sig = SIGNATURES[name]
     mutant = load(name, kind)

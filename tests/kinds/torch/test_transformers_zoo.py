@@ -1,7 +1,7 @@
-"""``tyingspec check --kind torch`` over real architectures (``tests/transformers_zoo.py``).
+"""``tyingspec check --kind torch`` over real architectures (``zoos/transformers_zoo.py``).
 
 Each entry runs as a user runs it: ``python -m tyingspec check
-tests.transformers_zoo:<factory> --kind torch`` in a subprocess whose working directory is the
+zoos.transformers_zoo:<factory> --kind torch`` in a subprocess whose working directory is the
 repository root (``tests`` has no ``__init__.py``; it imports from there as a namespace package,
 and ``tyingspec check`` looks a ``module:attr`` target up from the current directory).  A
 correct model must exit 0, an untied one 2 with "found no tie", a broken one 1 with its label.
@@ -23,11 +23,12 @@ from typing import Any
 
 import pytest
 import torch
-import transformers_zoo as zoo  # (tests/ is on sys.path, as for conftest)
 from torch import nn
-from transformers_zoo import FAST, ZOO, ZooEntry
 
-REPO = Path(__file__).resolve().parent.parent
+from zoos import transformers_zoo as zoo
+from zoos.transformers_zoo import FAST, ZOO, ZooEntry
+
+REPO = Path(__file__).resolve().parents[3]
 TIMEOUT = 600  # seconds for one whole `tyingspec check` (process start, imports, every case)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -130,7 +131,7 @@ def test_each_broken_entry_breaks_its_gradient_where_its_bug_says(entry: ZooEntr
 
 def _check(entry: ZooEntry) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tyingspec", "check",
-                           f"tests.transformers_zoo:{entry.factory}", "--kind", "torch"],
+                           f"zoos.transformers_zoo:{entry.factory}", "--kind", "torch"],
                           cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
 
 

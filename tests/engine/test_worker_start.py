@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 #: The README's numpy model adapter (examples/numpy_model/grads.py), copied beside the target
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "numpy_model" / "grads.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "numpy_model" / "grads.py"
 
 #: A correct model adapter (the example's), which notes the pid of each process that calls it.
 ADAPTER = '''

@@ -29,7 +29,7 @@ from tyingspec._src.front.cli import main
 from tyingspec._src.kinds.jax.zoo import JAX_BUILTINS
 from tyingspec._src.kinds.table import KINDS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 # XLA compiling each tiny model is most of this module's time (~1 s a program, two or more per
 # call).  LLVM's optimisation passes (numerics unchanged: fast-math is off either way) and

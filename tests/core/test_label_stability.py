@@ -19,7 +19,7 @@ from tyingspec._src.core.cases import Case
 from tyingspec._src.engine.observe import Target
 
 #: The README's numpy adapter (its quick start's target).
-EXAMPLE = Path(__file__).parents[1] / "examples" / "numpy_model" / "grads.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "numpy_model" / "grads.py"
 
 #: The properties this bug breaks (the loss, dW and db are right, and the wrong head gradient is
 #: still linear in the batch, permuted with the vocabulary and the same on every call).

@@ -40,7 +40,7 @@ from tyingspec._src.kinds.distributed.target import (  # noqa: E402
 )
 from tyingspec._src.kinds.table import kind_spec  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PP2 = ((2, 1),)
 
 

@@ -27,8 +27,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).parent.parent
-TARGETS = Path(__file__).parent / "triton_targets"
+ROOT = Path(__file__).parents[3]
+TARGETS = Path(__file__).parents[2] / "triton_targets"
 KERNELS = Path(os.environ.get("TYINGSPEC_KERNELS",
                               Path(tempfile.gettempdir()) / "tyingspec-kernels"))
 LIGER = "liger_kernel.transformers:LigerFusedLinearCrossEntropyLoss"

@@ -2,8 +2,8 @@
 worker encodes the parent decodes to an equal value of the same type, arrays bit for bit, the
 frame is laid out as documented, and a frame cut anywhere is refused, never a traceback.
 
-(``tests/test_isolation_safety.py`` holds the frames a hostile worker would send; these are the
-frames a worker of tyingspec's sends.)
+(``tests/engine/test_isolation_safety.py`` holds the frames a hostile worker would send; these
+are the frames a worker of tyingspec's sends.)
 """
 
 from __future__ import annotations

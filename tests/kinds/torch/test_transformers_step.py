@@ -5,7 +5,7 @@ runs them.  Every correct architecture exits 0 and every broken one exits 1 with
 judged at every step against the uses its forwards took.
 
 Slow: each is a whole ``tyingspec check`` of a real architecture (built tiny from
-``tests/transformers_zoo.py``; nothing is downloaded).
+``zoos/transformers_zoo.py``; nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 from torch_sources import summary
-from transformers_zoo import ZOO
 
 from tyingspec._src.front.check import check_target
 from tyingspec._src.kinds.table import kind_spec
+from zoos.transformers_zoo import ZOO
 
-TESTS = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[3]  # zoos/ is imported from the repository root
 
 STEP = '''
     import torch
 
-    import transformers_zoo as zoo
+    from zoos import transformers_zoo as zoo
     from tyingspec import TorchTarget
 
 
@@ -61,7 +61,7 @@ def test_an_architecture_under_the_users_own_step(tmp_path: Path, name: str) -> 
     (tmp_path / f"{module}.py").write_text(textwrap.dedent(STEP.format(factory=entry.factory)))
     cases = [c for c in kind_spec("torch").cases(0) if c.name == "repeated-tokens"]
     rep = check_target(f"{module}:target", "torch", 0, cases,
-                       paths=(str(tmp_path), str(TESTS)))
+                       paths=(str(tmp_path), str(REPO)))
     assert rep.exit_code == entry.expected_exit, summary(rep)
     if entry.kind == "broken":
         assert rep.diagnosis_label in entry.expected_labels, summary(rep)

@@ -19,7 +19,7 @@ from tyingspec._src.core.diagnosis import LABELS, run_label
 from tyingspec._src.core.strategies import cases
 from tyingspec._src.engine.observe import first_call, load
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]
 
 #: bug -> the label whose pattern explains its rows
 HONEST = {

@@ -11,7 +11,7 @@ from tyingspec._src.core.labels import LABELS
 from tyingspec._src.front.cli import main
 from tyingspec._src.front.explain import TABLE, examples, markdown
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def test_the_table_is_the_readmes() -> None:

@@ -63,7 +63,7 @@ def repo(scratch: Scratch) -> Scratch:
 def outside_ci(monkeypatch: pytest.MonkeyPatch) -> None:
     """A run that records a missing baseline is a developer's first run, not CI's: under CI
     (which runs this suite with CI=true) a missing baseline fails the run instead, and
-    tests/test_plugin_gate.py tests that."""
+    tests/front/test_plugin_gate.py tests that."""
     monkeypatch.delenv("CI", raising=False)
 
 
@@ -121,7 +121,7 @@ def test_a_failure_prints_the_diagnosis_then_the_smallest_batch_then_a_replay_li
     assert -1 not in positions, dict(zip(order, positions))
     assert positions == sorted(positions)
     # and not Hypothesis' own copy of the case after them ("Falsifying example" up to 6.16x,
-    # "Failing test case" after): tests/test_plugin_gate.py has the rest of that
+    # "Failing test case" after): tests/front/test_plugin_gate.py has the rest of that
     assert not re.search(r"(Falsifying example|Failing test case): test_sum_of_paths\(", out)
     report = out.split("FAILURES")[1].split("short test summary")[0]
     assert "Traceback" not in report and "_suite.py:" not in report
