@@ -19,6 +19,7 @@ from hypothesis.errors import UnsatisfiedAssumption
 
 from tyingspec._src.core.cases import Case
 from tyingspec._src.core.diagnosis import UNINFORMATIVE, Diagnosis
+from tyingspec._src.core.errors import TyingspecError
 from tyingspec._src.core.render import batch_lines, diagnosis_lines
 from tyingspec._src.engine.observe import Observation, Target
 
@@ -27,7 +28,7 @@ from tyingspec._src.engine.observe import Observation, Target
 Check = Callable[[Target, Case], None]
 
 
-class PropertyFailure(AssertionError):
+class PropertyFailure(TyingspecError, AssertionError):
     """An invariant does not hold: the message puts the diagnosis first, then the batch."""
 
     def __init__(self, prop: str, headline: str, case: Case, *,

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from tyingspec._src.core.cases import Batch, Case, sgd_step
 from tyingspec._src.core.diagnosis import Diagnosis, diagnose, misrouted_input_fits
+from tyingspec._src.core.errors import TyingspecError
 from tyingspec._src.core.paths import Array, Paths, closed_form_paths, forward_parts, scatter_rows
 from tyingspec._src.core.render import batch_lines, diagnosis_lines
 from tyingspec._src.core.strategies import LEAVING_ROWS_ABSENT, REPEATING, cases
@@ -61,7 +62,7 @@ from ._core import discard, require_power
 SignatureCheck = Callable[[Target, Case], None]
 
 
-class SignatureMismatch(AssertionError):
+class SignatureMismatch(TyingspecError, AssertionError):
     """A mutant did not show the fingerprint its zoo entry claims (message names the case)."""
 
     def __init__(self, mutant: str, problem: str, case: Case,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         compare,
         diagnose,
     )
+    from tyingspec._src.core.errors import TyingspecError
     from tyingspec._src.core.finite import central_differences
     from tyingspec._src.core.kind import Implementation, KindSpec
     from tyingspec._src.core.paths import Paths, closed_form_paths, loss_only
@@ -41,13 +42,8 @@ if TYPE_CHECKING:
         reference,
     )
     from tyingspec._src.front.api import assert_correct, check
-    from tyingspec._src.front.check import (
-        CaseResult,
-        CheckFailed,
-        CheckReport,
-        NoPower,
-        check_target,
-    )
+    from tyingspec._src.front.check import check_target
+    from tyingspec._src.front.results import CaseResult, CheckFailed, CheckReport, NoPower
     from tyingspec._src.kinds.distributed.target import DistributedTarget
     from tyingspec._src.kinds.jax.target import JaxTarget
     from tyingspec._src.kinds.probe.builtins import REGISTRY
@@ -57,13 +53,14 @@ if TYPE_CHECKING:
 
 _WHERE: dict[str, str] = {
     "AdapterError": "._src.core.adapters",
+    "TyingspecError": "._src.core.errors",
     "ArrayCheck": "._src.core.diagnosis",
     "Batch": "._src.core.cases",
     "Case": "._src.core.cases",
-    "CaseResult": "._src.front.check",
-    "CheckReport": "._src.front.check",
-    "CheckFailed": "._src.front.check",
-    "NoPower": "._src.front.check",
+    "CaseResult": "._src.front.results",
+    "CheckReport": "._src.front.results",
+    "CheckFailed": "._src.front.results",
+    "NoPower": "._src.front.results",
     "check": "._src.front.api",
     "assert_correct": "._src.front.api",
     "Diagnosis": "._src.core.diagnosis",
@@ -133,6 +130,7 @@ __all__ = [
     "Target",
     "Tolerance",
     "TorchTarget",
+    "TyingspecError",
     "assert_correct",
     "build",
     "call",

@@ -23,6 +23,7 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tyingspec._src.core.errors import TyingspecError
 from tyingspec._src.core.files import (
     absolute,
 )
@@ -50,7 +51,7 @@ POLICIES = ("input", "output", "average", "refuse")
 _MAX_WRAPPERS = 8
 
 
-class CkptError(Exception):
+class CkptError(TyingspecError):
     """Bad input: the message names the file, the key and what was expected and found."""
 
 

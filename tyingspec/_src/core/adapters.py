@@ -25,11 +25,12 @@ from typing import IO, Any
 
 import numpy as np
 
+from tyingspec._src.core.errors import TyingspecError
 from tyingspec._src.core.findings import Finding
 from tyingspec._src.core.tolerance import Precision, least_precise
 
 
-class AdapterError(Exception):
+class AdapterError(TyingspecError):
     """The adapter could not be loaded, raised, or returned something unusable."""
 
     def __init__(self, adapter: str, problem: str, *, key: str | None = None,

@@ -22,11 +22,13 @@ import sys
 import tempfile
 from typing import IO, Any
 
+from tyingspec._src.core.errors import TyingspecError
+
 __all__ = ["OutputError", "absolute", "append_text", "atomic_write", "check_distinct",
            "create_exclusive", "descriptor", "is_stream", "open_stream", "usable_output"]
 
 
-class OutputError(Exception):
+class OutputError(TyingspecError):
     """An output path cannot be used; the message names the option and the path."""
 
 

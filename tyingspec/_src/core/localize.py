@@ -89,6 +89,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from tyingspec._src.core.errors import TyingspecError
+
 __all__ = ["BudgetExceeded", "Localization", "LossAlong", "NonFiniteLoss", "fails_without",
            "localize"]
 
@@ -155,11 +157,11 @@ class Localization:
     kinked: int = 0
 
 
-class NonFiniteLoss(ValueError):
+class NonFiniteLoss(TyingspecError, ValueError):
     """``loss_along`` returned NaN or an infinity."""
 
 
-class BudgetExceeded(RuntimeError):
+class BudgetExceeded(TyingspecError, RuntimeError):
     """Localisation needed more than ``max_evaluations`` loss evaluations.
 
     ``found`` holds the rows already confirmed wrong and ``unresolved`` the number of rows in

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from tyingspec._src.core.errors import TyingspecError
+
 #: Seconds one call of user code may take before it is ended as an adapter error.
 DEFAULT_TIMEOUT = 120.0
 #: Seconds a run may spend shrinking its failing batches (each try is one more check).
@@ -84,7 +86,7 @@ def positive_seconds(text: str) -> float:
     return v
 
 
-class UsageError(ValueError):
+class UsageError(TyingspecError, ValueError):
     """A command asked for something that cannot be run as given (exit status 2, one line).
 
     Raised below the command line (a check that would run no case, a replay's batch outside the

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from tyingspec._src.core.cases import Case
 from tyingspec._src.core.options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT, target_paths
 from tyingspec._src.engine.observe import PrecisionChoice
-from tyingspec._src.front.check import CheckReport, check_target
+from tyingspec._src.front.check import check_target
+from tyingspec._src.front.request import CheckRequest
+from tyingspec._src.front.results import CheckReport
 
 __all__ = ["assert_correct", "check"]
 
@@ -40,37 +42,19 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
     directory) go first on the worker's ``sys.path``.  ``shape=(V, d, N)``, ``autocast=`` and
     ``compile=`` are ``--shape``, ``--autocast`` and ``--compile`` (``compile=True``: torch's
     default backend); ``device="cuda"`` is ``--device cuda`` (``--kind linear-ce`` and
-    ``--kind torch``).  Bad input raises ``ValueError`` (a ``UsageError`` where the command
-    line exits 2) naming what is wrong; an adapter that cannot be loaded or called is in the
-    report (``verdict == "adapter_error"``), never an exception from here."""
-    from tyingspec._src.front.cli import _builtin_kind
-    from tyingspec._src.kinds.table import kind_spec
-
-    kind = kind or _builtin_kind(target)
-    table = kind_spec(kind)  # ValueError naming the known kinds
-    chosen = list(cases) if cases is not None else table.cases(seed)
-    if case is not None:
-        named = [c for c in chosen if c.name == case]
-        if not named:
-            raise ValueError(f"tyingspec.check: no case {case!r} for --kind {kind}; known: "
-                             + ", ".join(c.name for c in chosen))
-        chosen = named
-    from tyingspec._src.front.cli import flagged
-
-    chosen = flagged(table, chosen, autocast=autocast, device=device,
-                     compile="inductor" if compile is True else compile or None)
-    if shape is not None:
-        from tyingspec._src.core.cases import at_shape
-
-        if len(shape) != 3 or not all(isinstance(n, int) and n > 0 for n in shape):
-            raise ValueError(f"tyingspec.check: shape= takes (V, d, N), positive integers; "
-                             f"got {shape!r}")
-        chosen, _ = at_shape(chosen, *shape)
-        if not chosen:
-            raise ValueError(f"tyingspec.check: no case runs at shape={shape!r}")
+    ``--kind torch``).  Bad input raises ``ValueError`` (a ``UsageError``, which is also a
+    :class:`~tyingspec.TyingspecError`) with the message the command line exits 2 with; an
+    adapter that cannot be loaded or called is in the report (``verdict == "adapter_error"``),
+    never an exception from here."""
+    request = CheckRequest(target, kind, seed, precision,
+                           cases=None if cases is None else tuple(cases), case=case,
+                           shape=shape, autocast=autocast, device=device,
+                           compile="inductor" if compile is True else compile or None)
+    # the command line's problems, raised: UsageError is a ValueError (and a TyingspecError)
+    chosen, _ = request.chosen()
     from tyingspec._src.engine.warm import WARM
 
-    return check_target(target, kind, seed, chosen, precision=precision,
+    return check_target(target, request.kind_name, seed, chosen, precision=precision,
                         shrink_budget=shrink_budget, timeout=timeout,
                         paths=tuple(paths) if paths is not None else target_paths(),
                         warm=WARM)

@@ -24,10 +24,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tyingspec._src.core.errors import TyingspecError
 from tyingspec._src.core.files import atomic_write, create_exclusive
 
 if TYPE_CHECKING:
-    from tyingspec._src.front.check import CheckReport
+    from tyingspec._src.front.results import CheckReport
 
 SCHEMA = "tyingspec.baseline/1"
 UNITS = ("property", "case")
@@ -100,7 +101,7 @@ def _plural(n: int, unit: str) -> str:
     return "properties" if unit == "property" else unit + "s"
 
 
-class BaselineError(Exception):
+class BaselineError(TyingspecError):
     """The baseline file cannot be read or is not a tyingspec baseline of the expected unit."""
 
 

@@ -14,15 +14,11 @@ import numpy as np
 
 from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.cases import Case, batch_problem
-from tyingspec._src.core.diagnosis import Diagnosis, run_label
 from tyingspec._src.core.extras import with_hint
 from tyingspec._src.core.options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT, UsageError
 from tyingspec._src.engine.observe import (
-    FIRST_CALL,
     Observation,
     PrecisionChoice,
-    Stage,
-    Status,
     Target,
     load,
     observe,
@@ -30,56 +26,13 @@ from tyingspec._src.engine.observe import (
     shaped,
 )
 from tyingspec._src.engine.warm import WarmTargets
-from tyingspec._src.front.baseline import EXIT_STATUS, no_power_text
+from tyingspec._src.front.results import CaseResult, CheckReport, Quick
 
-if TYPE_CHECKING:  # annotations only: the picture's module loads when one is asked for
-    from tyingspec._src.front.html import RowProfile
+if TYPE_CHECKING:  # annotations only: the progress line's module loads when one is shown
     from tyingspec._src.front.progress import Progress
 
 #: The target a linear-ce kernel ignores (Liger's and torch's default ignore_index).
 IGNORE_INDEX = -100
-
-
-@dataclass
-class CaseResult:
-    """Outcome of one case: a diagnosis, or the adapter error that prevented one."""
-
-    case: Case
-    status: Status
-    diagnosis: Diagnosis | None = None
-    error: str | None = None
-    mutated: tuple[str, ...] = ()
-    shrunk: Case | None = None
-    replay: str = ""
-    stage: Stage = FIRST_CALL  # which call the diagnosis is of (models are called twice)
-    precision: str | None = None  # what it was judged at
-    precision_note: str = ""  # why, when not the dtype it returned (see observe.judged_precision)
-    shrink_note: str = ""  # why shrinking stopped early, if it did
-    # each row's error and paths over its bound (``--html``), or why they are not drawn
-    rows: RowProfile | str | None = field(default=None, repr=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        c = self.case
-        d: dict[str, Any] = {
-            "name": c.name, "seed": c.seed, "V": c.V, "d": c.d, "N": c.N, "res": c.res,
-            "s_in": c.s_in, "bias": c.bias, "dtype": c.dtype, "status": self.status,
-            "error": self.error, "mutated_inputs": list(self.mutated), "replay": self.replay,
-            "stage": self.stage, "precision": self.precision,
-            "margin": None if self.diagnosis is None else self.diagnosis.margin,
-        }
-        if self.diagnosis is not None:
-            dd = self.diagnosis.as_dict()
-            d.update({k: dd[k] for k in ("label", "detail", "rows_total", "rows_wrong",
-                                         "rows_exact", "wrong_rows", "max_abs_error",
-                                         "max_rel_error", "power", "rows_compared")})
-            d["diagnosis"] = dd
-        if self.shrunk is not None:
-            d["smallest_batch"] = {"tokens": list(self.shrunk.tokens or ()),
-                                   "targets": list(self.shrunk.targets or ()),
-                                   "shape": [self.shrunk.V, self.shrunk.d, self.shrunk.N]}
-        if self.shrink_note:
-            d["shrink_note"] = self.shrink_note
-        return d
 
 
 #: The largest shape a proxy of a wrong case has: small enough that a shrinking step costs
@@ -268,112 +221,6 @@ def explicit_batch_problem(target: Target, case: Case) -> str | None:
         return (f"a target of {IGNORE_INDEX} is an ignored token, and the kernel declares no "
                 "ignore_index option")
     return None
-
-
-@dataclass
-class CheckReport:
-    """All case results for one target, and the overall verdict and exit status."""
-
-    target: str
-    kind: str
-    seed: int
-    results: list[CaseResult] = field(default_factory=list)
-    load_error: str | None = None
-    precision: str = "auto"
-    notes: list[str] = field(default_factory=list)
-    quick: Quick | None = None  # a quick check (``--quick``): what it left out
-
-    @property
-    def verdict(self) -> str:
-        if self.load_error or any(r.status == "adapter_error" for r in self.results):
-            return "adapter_error"
-        if any(r.status == "wrong" for r in self.results):
-            return "wrong"
-        if self.results and all(r.status == "no_power" for r in self.results):
-            return "no_power"
-        return "correct"
-
-    @property
-    def exit_code(self) -> int:
-        """0 correct, 1 a wrong gradient (and nothing else), 2 a usage or adapter error, and
-        ``EXIT_NO_POWER`` (77) when no case had the power to decide (see ``front.baseline``)."""
-        return EXIT_STATUS[self.verdict]
-
-    @property
-    def ok(self) -> bool:
-        """Every case reached a verdict and each was correct (what exit status 0 means)."""
-        return self.exit_code == 0
-
-    @property
-    def cases(self) -> list[CaseResult]:
-        """The case results, in the order they ran."""
-        return self.results
-
-    @property
-    def diagnosis(self) -> str:
-        """The report as a person reads it: the verdict and its label first, then each case
-        (what ``tyingspec check`` prints)."""
-        from tyingspec._src.front.report import render
-
-        label = self.diagnosis_label
-        head = f"{self.target} (--kind {self.kind}): {self.verdict}" + (
-            f" ({label})" if label != self.verdict else "")
-        return head + "\n" + render(self)
-
-    def raise_for_failure(self) -> None:
-        """Raise :class:`CheckFailed` (an ``AssertionError``, so pytest shows it as a test
-        failure) whose message is :attr:`diagnosis`, unless the report is :attr:`ok`; for a run
-        in which no case had the power to decide (``verdict == "no_power"``), its subclass
-        :class:`NoPower`."""
-        if self.verdict == "no_power":
-            raise NoPower(self)
-        if not self.ok:
-            raise CheckFailed(self)
-
-    @property
-    def diagnosis_label(self) -> str:
-        labels = [r.diagnosis.label for r in self.results
-                  if r.diagnosis is not None and r.status == "wrong"]
-        if not labels:
-            return self.verdict
-        return run_label(labels)
-
-
-class CheckFailed(AssertionError):
-    """A check that did not pass: the message is the rendered diagnosis; ``report`` holds
-    every case."""
-
-    def __init__(self, report: CheckReport, message: str | None = None) -> None:
-        super().__init__(report.diagnosis if message is None else message)
-        self.report = report
-
-
-class NoPower(CheckFailed):
-    """A check in which no case had the power to decide (``verdict == "no_power"``): not a
-    wrong gradient, and not a pass either (the command exits ``EXIT_NO_POWER``, 77).  The
-    message says so first, then the rendered diagnosis; catch it before :class:`CheckFailed`
-    to tell the two apart."""
-
-    def __init__(self, report: CheckReport) -> None:
-        super().__init__(report, f"{no_power_text('case')}\n{report.diagnosis}")
-
-
-@dataclass(frozen=True)
-class Quick:
-    """What a quick check ran of the full one: ``run`` of ``total`` cases, and the kind's own
-    checks it ran (None: all of them)."""
-
-    run: int
-    total: int
-    checks: tuple[str, ...] | None
-
-    def text(self) -> str:
-        """The line a report marks a quick check with."""
-        return f"quick: {self.run} of {self.total} cases; not a full check"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"cases_run": self.run, "cases_total": self.total,
-                "checks": None if self.checks is None else list(self.checks)}
 
 
 #: The kind's own checks a quick check runs, for kinds whose call runs checks beyond the rows

@@ -8,10 +8,7 @@ import io
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from tyingspec._src.core.options import (
     DEFAULT_SHRINK_BUDGET,
@@ -28,7 +25,7 @@ from tyingspec._src.kinds.table import KIND_NAMES
 
 if TYPE_CHECKING:
     from tyingspec._src.core.cases import Case
-    from tyingspec._src.core.kind import KindSpec
+    from tyingspec._src.front.results import CheckReport
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
 #: One call's timeout under --compile: torch.compile's inductor compiles C++ for each graph on
@@ -83,6 +80,11 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "never more than half of what its cases took (default %(default)g; "
                         "0 turns shrinking off)")
     p.add_argument("--seed", type=seed, default=0, help="base seed (default 0)")
+    _add_check_outputs(p)
+
+
+def _add_check_outputs(p: argparse.ArgumentParser) -> None:
+    """``tyingspec check``'s replay, listing, gating and output options."""
     p.add_argument("--json", metavar="PATH", help="write a tyingspec.check/1 JSON report")
     p.add_argument("--case", metavar="NAME", help="run only this case (replay)")
     p.add_argument("--tokens", type=int_list, help="replay: explicit tokens, e.g. 3,3")
@@ -147,20 +149,6 @@ _COMMANDS: tuple[tuple[str, str, str | None, Callable[[argparse.ArgumentParser],
 )
 
 
-def flagged(spec: KindSpec, cases: list[Case], **flags: str | None) -> list[Case]:
-    """``cases`` with the command line's settings (``--autocast``, ``--compile``) set on each,
-    for a kind that takes them (ValueError naming the flag and the kinds that do)."""
-    given = {k: v for k, v in flags.items() if v is not None}
-    takes = dict(spec.flags)
-    for key, value in given.items():
-        if key not in takes:
-            raise ValueError(f"--{key} does not apply to --kind {spec.name}")
-        if value not in takes[key]:
-            raise ValueError(f"--{key} {value}: expected one of {', '.join(takes[key])}")
-        cases = [c.with_setting(key, value) for c in cases]
-    return cases
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; with ``command``, one whose other subcommands are named (for the
     help) but get no arguments.  Adding a subcommand's arguments imports its code: the
@@ -206,57 +194,42 @@ def _list() -> int:
     return EXIT_OK
 
 
-def _builtin_kind(target: str) -> str:
-    """The kind ``tyingspec check TARGET`` runs without --kind: a built-in's own (the first
-    that has it: model before kernel; a torch or linear-ce zoo name its zoo's), else model."""
-    if ":" in target:
-        return "model"
-    from tyingspec._src.kinds.table import builtin_kind
-
-    return builtin_kind(target) or "model"
-
-
-def _require_extras(target: str, kind: str, precision: str) -> None:
-    """Before anything runs: the extras this check needs are installed (else a usage error
-    naming the ``pip install``).  What is imported deeper down is caught in :func:`main`."""
-    from tyingspec._src.core.extras import require
-
-    if kind == "torch":  # a transformers model without torch: name both extras' install at once
-        require("torch", "--kind torch", lambda: _target_imports(target, kind),
-                target if ":" in target else f"the built-in {target}")
-    if precision == "bfloat16":
-        require("ml_dtypes", "--precision bfloat16")
-    if kind == "linear-ce" and ":" not in target:
-        from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
-
-        builtin = LINEAR_CE_BUILTINS.get(target)
-        if builtin is not None and builtin.form == "torch":
-            require("torch", f"the built-in {target} (a torch module)")
-
-
-def _target_imports(target: str, kind: str) -> frozenset[str]:
-    """The modules ``target`` imports, read from its source (a built-in's from its factory)."""
-    from tyingspec._src.core.extras import target_imports
-    from tyingspec._src.kinds.table import kind_spec
-
-    impl = None if ":" in target else kind_spec(kind).builtins().get(target)
-    return target_imports(target, target_paths(), impl and impl.adapter(kind))
-
-
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from tyingspec._src.core.files import OutputError, check_distinct, usable_output
-    from tyingspec._src.front.check import check_target
-    from tyingspec._src.front.report import as_json
-
-    # Every flag that would do nothing here is a usage error, not a silent exit 0.
+    """``tyingspec check``: its options checked (a problem is exit 2 with the usage), then
+    the demo table without a TARGET, else the target's check, printed as it runs."""
     if args.list:
-        given = [f for f, v in (("TARGET", args.target), ("--baseline", args.baseline),
-                                ("--json", args.json), ("--case", args.case),
-                                ("--html", args.html)) if v is not None]
-        if given:
-            parser.error(f"--list prints the built-ins and cases and runs nothing; it takes no "
-                         f"{', '.join(given)}")
-        return _list()
+        return _list_only(args, parser)
+    _check_outputs(args, parser)
+    if args.target is None:
+        return _demo(args, parser)
+    from tyingspec._src.front.request import CheckRequest
+
+    request = CheckRequest.from_args(args)
+    args.kind = request.kind_name
+    request.require_extras()
+    problems = request.problems()
+    if problems:
+        parser.error("; ".join(problems))
+    cases, notes = request.chosen()
+    report = _run_check(args, cases, notes)
+    return _write_outputs(args, report)
+
+
+def _list_only(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    # Every flag that would do nothing here is a usage error, not a silent exit 0.
+    given = [f for f, v in (("TARGET", args.target), ("--baseline", args.baseline),
+                            ("--json", args.json), ("--case", args.case),
+                            ("--html", args.html)) if v is not None]
+    if given:
+        parser.error(f"--list prints the built-ins and cases and runs nothing; it takes no "
+                     f"{', '.join(given)}")
+    return _list()
+
+
+def _check_outputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The baseline and output options: consistent, usable, resolved once."""
+    from tyingspec._src.core.files import OutputError, check_distinct, usable_output
+
     if args.update_baseline and args.baseline is None:
         parser.error("--update-baseline needs --baseline FILE")
     if args.update_baseline and args.quick:
@@ -275,97 +248,36 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_distinct({"--baseline": args.baseline, "--json": args.json, "--html": args.html})
     except OutputError as exc:
         parser.error(str(exc))
-    if args.target is None:
-        if args.case or args.tokens or args.targets:
-            parser.error("--case/--tokens/--targets need a TARGET")
-        if args.quick or args.html:
-            parser.error("--quick and --html check a TARGET; name the target to check")
-        from tyingspec._src.front.demo import render_demo, run_demo
 
-        demo = run_demo(args.seed)
-        print(render_demo(demo))
-        code = EXIT_OK if demo.as_expected else EXIT_WRONG
-        if args.json:
-            return _write_report(args.json, {
-                "schema": "tyingspec.demo/1", "seed": args.seed, "exit_code": code,
-                "as_expected": demo.as_expected,
-                "results": {n: r.as_dict() for n, r in demo.results.items()}}, code)
-        return code
 
-    from tyingspec._src.kinds.table import kind_spec
+def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``tyingspec check`` without a TARGET: the write-up's table, computed."""
+    if args.case or args.tokens or args.targets:
+        parser.error("--case/--tokens/--targets need a TARGET")
+    if args.quick or args.html:
+        parser.error("--quick and --html check a TARGET; name the target to check")
+    from tyingspec._src.front.demo import render_demo, run_demo
 
-    if args.kind is None:
-        args.kind = _builtin_kind(args.target)
-    spec = kind_spec(args.kind)
-    _require_extras(args.target, args.kind, args.precision)
-    try:
-        cases = flagged(spec, spec.cases(args.seed), autocast=args.autocast, device=args.device,
-                        compile=args.compile)
-    except ValueError as exc:
-        parser.error(str(exc))
-    # --case first: a case named here and then left out by --shape or --padding-idx is told
-    # why below, not reported as unknown
-    if args.case:
-        chosen = [c for c in cases if c.name == args.case]
-        if not chosen:
-            parser.error(f"--case: no case {args.case!r}; known: "
-                         + ", ".join(c.name for c in cases))
-        cases = chosen
-    if (args.tokens is None) != (args.targets is None):
-        parser.error("--tokens and --targets go together")
-    if args.tokens is not None and not args.case:
-        parser.error("--tokens/--targets need --case")
-    notes: list[str] = []
-    if args.shape is not None:
-        from tyingspec._src.core.cases import at_shape, memory_problem
-        from tyingspec._src.core.options import available_memory
+    demo = run_demo(args.seed)
+    print(render_demo(demo))
+    code = EXIT_OK if demo.as_expected else EXIT_WRONG
+    if args.json:
+        return _write_report(args.json, {
+            "schema": "tyingspec.demo/1", "seed": args.seed, "exit_code": code,
+            "as_expected": demo.as_expected,
+            "results": {n: r.as_dict() for n, r in demo.results.items()}}, code)
+    return code
 
-        V, d, N = args.shape
-        # a model with a shape of its own (a torch model) keeps its V and d, checked against
-        # the model once it is loaded, and takes N as its batch x sequence
-        problem = None if spec.own_shape else memory_problem(
-            V, d, max(N, len(args.tokens or ())), available_memory(), args.precision,
-            spec.name)
-        if problem is not None:
-            parser.error(f"--shape {V},{d},{N}: {problem}; choose a smaller shape")
-        cases, left_out = at_shape(cases, V, d, N)
-        if left_out:
-            notes.append(f"--shape {V},{d},{N}: left out {', '.join(left_out)} "
-                         "(defined by their shape)")
-    if args.padding_idx is not None:
-        if args.kind != "model":
-            parser.error(f"--padding-idx applies to --kind model (a {args.kind} target "
-                         + ("declares its own padding_idx)" if args.kind == "torch" else
-                            "gets the rows it scatters as they are)"))
-        if args.padding_idx < 0:
-            parser.error(f"--padding-idx must be a row index >= 0, got {args.padding_idx}")
-        small = [c.name for c in cases if c.V <= args.padding_idx]
-        if small:
-            notes.append(f"--padding-idx {args.padding_idx}: left out {', '.join(small)} "
-                         "(no such row: their V is at most "
-                         f"{max(c.V for c in cases if c.V <= args.padding_idx)})")
-        cases = [replace(c, padding_idx=args.padding_idx) for c in cases
-                 if c.V > args.padding_idx]
-    if not cases:
-        # Zero cases is no verdict: "correct" here would pass a CI gate that checked nothing.
-        parser.error("no case left to run, so there is no verdict: " + "; ".join(notes))
-    if args.tokens is not None:
-        from tyingspec._src.core.cases import batch_problem
-        from tyingspec._src.front.check import IGNORE_INDEX
 
-        # a kind with its own shape (a torch model's vocabulary) has its token ids checked
-        # once the model is loaded (front.check.check_target)
-        if not spec.own_shape:
-            # a linear-ce target may be ignore_index (-100): an ignored token
-            problem = batch_problem(args.tokens, args.targets, cases[0].V,
-                                    ignore_index=IGNORE_INDEX if args.kind == "linear-ce" else None)
-            if problem is not None:
-                parser.error(f"--tokens/--targets: {problem} (case {cases[0].name})")
-        cases = [cases[0].with_batch(np.asarray(args.tokens), np.asarray(args.targets))]
+def _run_check(args: argparse.Namespace, cases: list[Case], notes: list[str]) -> CheckReport:
+    """Run the check, printing each case as soon as it is known (a job killed for time still
+    shows what finished) and the verdict last."""
+    from tyingspec._src.core.render import terminal_width
+    from tyingspec._src.front.check import check_target
+    from tyingspec._src.front.progress import Progress
     from tyingspec._src.front.report import render_case, render_head, render_verdict
 
-    # Each case is printed as soon as it is known: a job killed for time still shows what
-    # finished.  Checks that do not depend on the batch are listed with the first case only.
+    # Checks that do not depend on the batch are listed with the first case only.
     seen: list[object] = []
 
     def report_first(r: object) -> object:
@@ -374,9 +286,6 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return seen[0]
 
     print(render_head(args.target, args.kind, args.seed, args.precision, notes), flush=True)
-    from tyingspec._src.core.render import terminal_width
-    from tyingspec._src.front.progress import Progress
-
     width = terminal_width()
     progress = None if args.quiet else Progress(sys.stderr)
     try:
@@ -400,6 +309,12 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if report.load_error:
         print(f"error: {report.load_error}")
     print(render_verdict(report), flush=True)
+    return report
+
+
+def _write_outputs(args: argparse.Namespace, report: CheckReport) -> int:
+    """The picture, the baseline and the JSON report a check was asked for; the exit status
+    (the baseline's when there is one; 2 when an output could not be written)."""
     code = report.exit_code
     if args.html:
         from tyingspec._src.front.html import write as write_html
@@ -418,6 +333,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print("\n".join(lines))
         baseline = {"path": args.baseline, "exit_code": code, "lines": lines}
     if args.json:
+        from tyingspec._src.front.report import as_json
+
         payload = as_json(report)
         payload["exit_code"] = code  # the status this command really exits with
         payload["baseline"] = baseline

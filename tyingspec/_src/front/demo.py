@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from tyingspec._src.core.cases import Case, build, case_seed
 from tyingspec._src.core.render import exact_cell, rows_text
 from tyingspec._src.engine.observe import load
-from tyingspec._src.front.check import CaseResult, run_case
+from tyingspec._src.front.check import run_case
+from tyingspec._src.front.results import CaseResult
 from tyingspec._src.kinds.probe.builtins import builtins
 
 #: (table label, built-in name) in the order of the write-up's table.

@@ -29,7 +29,7 @@ from tyingspec._src.core.diagnosis import Diagnosis
 
 if TYPE_CHECKING:
     from tyingspec._src.engine.observe import Observation
-    from tyingspec._src.front.check import CaseResult, CheckReport
+    from tyingspec._src.front.results import CaseResult, CheckReport
 
 #: Rows drawn one element each; past this, bins of consecutive rows.
 MOST_DRAWN = 1024
@@ -257,7 +257,7 @@ def _case_html(r: CaseResult) -> list[str]:
 
 def document(report: CheckReport) -> str:
     """The whole report as one HTML page: the verdict, a legend, each case and its rows."""
-    from tyingspec._src.front.report import render_verdict
+    from tyingspec._src.front.results import render_verdict
 
     legend = "".join(f'<span style="background:{COLOURS[c]}"></span>{c}' for c in
                      (*CLASSES, "wrong"))

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tyingspec._src.core.errors import TyingspecError
+
 
 @dataclass(frozen=True)
 class _Shared:
@@ -47,11 +49,11 @@ _DTYPE = re.compile(r"[<>|][biufc][0-9]{1,2}")
 _ERROR_FIELDS = ("adapter", "problem", "key", "expected", "got")
 
 
-class _Unsendable(TypeError):
+class _Unsendable(TyingspecError, TypeError):
     """A value the channel does not carry, found by the worker as it encodes an answer."""
 
 
-class _Refused(ValueError):
+class _Refused(TyingspecError, ValueError):
     """A frame from the worker that the parent does not take; the message says what it is."""
 
 

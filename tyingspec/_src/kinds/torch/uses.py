@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from tyingspec._src.core.errors import TyingspecError
+
 __all__ = ["Uses", "observed_uses"]
 
 #: Functions that read E's rows (the lookup) by their torch entry points.
@@ -343,7 +345,7 @@ def _bound_apply(original: Any) -> Any:
     return lambda cls, *args, **kwargs: get(None, cls)(*args, **kwargs)
 
 
-class TorchUnsupported(RuntimeError):
+class TorchUnsupported(TyingspecError, RuntimeError):
     """This torch lacks a mechanism the observer needs (named in the message)."""
 
 
