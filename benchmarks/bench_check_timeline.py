@@ -83,6 +83,7 @@ load_numpy()  # as the console script does, before anything loads numpy (see fro
 import tyingspec._src.engine.isolation as iso  # noqa: E402
 import tyingspec._src.engine.observe as ob  # noqa: E402
 from tyingspec._src.front import cli  # noqa: E402
+from tyingspec._src.kinds.table import KINDS as KIND_TABLE  # noqa: E402
 
 Record = Callable[[float, float, str], None]  # (started, seconds, label)
 
@@ -168,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     iso.Worker.launch = watch_loading(iso.Worker.launch)  # type: ignore[method-assign]
     for name in ("launch", "wait_loaded", "submit", "collect"):
         setattr(iso.Worker, name, timed(f"w.{name}", getattr(iso.Worker, name)))
-    table = ob.KINDS["model"]
+    table = KIND_TABLE["model"]
     object.__setattr__(table, "reference", timed("reference", table.reference))
     started = time.perf_counter() - T0
     argv_ = command(a)

@@ -27,6 +27,7 @@ import tyingspec._src.engine.observe as ob  # noqa: E402
 from benchmarks.bench_check_timeline import wrapped  # noqa: E402
 from tyingspec import check, standard_cases  # noqa: E402
 from tyingspec._src.core.cases import at_shape  # noqa: E402
+from tyingspec._src.kinds.table import KINDS as KIND_TABLE  # noqa: E402
 
 TARGET = "benchmarks.torch_probe:tied_f32"
 SPENT: dict[str, float] = collections.defaultdict(float)
@@ -42,7 +43,7 @@ def main() -> int:
     for name, label in (("batch_for", "build batch"), ("judge", "judge"),
                         ("sgd_step", "SGD step")):
         setattr(ob, name, timed(label, getattr(ob, name)))
-    table_reference = ob.KINDS["model"].reference
+    table_reference = KIND_TABLE["model"].reference
     for name in ("submit", "collect"):
         setattr(iso.Worker, name, timed(f"worker.{name}", getattr(iso.Worker, name)))
     cases, _ = at_shape(standard_cases(0), 50257, 768, 1024)
@@ -54,7 +55,7 @@ def main() -> int:
 
     assert run()
     SPENT.clear()
-    object.__setattr__(ob.KINDS["model"], "reference", timed("reference", table_reference))
+    object.__setattr__(KIND_TABLE["model"], "reference", timed("reference", table_reference))
     t0 = time.perf_counter()
     assert run()
     print(f"one warm case at V=50257 d=768 N=1024 float32: {time.perf_counter() - t0:.2f} s")

@@ -38,6 +38,7 @@ from benchmarks.bench_check import live_children_cpu, spread  # noqa: E402
 from benchmarks.bench_check_timeline import wrapped  # noqa: E402
 from tyingspec import check, standard_cases  # noqa: E402
 from tyingspec._src.core.cases import at_shape  # noqa: E402
+from tyingspec._src.kinds.table import KINDS as KIND_TABLE  # noqa: E402
 
 TARGET = "benchmarks.timed_probe:tied_f32"
 Event = tuple[str, float, float]  # (phase, start, end)
@@ -51,7 +52,7 @@ def _timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
 def _instrument() -> None:
     for name, label in (("batch_for", "batch"), ("judge", "judge"), ("sgd_step", "SGD step")):
         setattr(ob, name, _timed(label, getattr(ob, name)))
-    table = ob.KINDS["model"]
+    table = KIND_TABLE["model"]
     object.__setattr__(table, "reference", _timed("reference", table.reference))
     iso.Worker.submit = _timed("send a call", iso.Worker.submit)  # type: ignore[method-assign]
     iso.Worker.collect = _timed("wait for its answer",  # type: ignore[method-assign]

@@ -45,19 +45,17 @@ def micro_batches_accumulate(target: Target, case: Case) -> None:
     precision = precision_for(target, whole)
     diag = judge(whole, paths, precision)
     require_power(diag)
-    inputs = target.table.inputs(batch)
-    sliced: tuple[str, ...]
-    if target.kind == "kernel":
-        sliced = ("tokens", "dx", "h", "g")
-        sizes = [1] * len(pieces)  # the kernel is a plain sum over positions
+    inputs = target.kind.inputs(batch)
+    sliced = target.kind.sliced  # the inputs along the positions
+    if target.kind.plain_sum:
+        sizes = [1] * len(pieces)  # a kernel is a plain sum over positions
         scale = 1.0
     else:
-        sliced = ("tokens", "targets")
         sizes = [z - a for a, z in pieces]
         scale = float(case.N)
     parts = [call(target, batch, **{k: inputs[k][a:z] for k in sliced}) for a, z in pieces]
     precision = precision_for(target, whole, *parts)
-    names = ["dE"] if target.kind == "kernel" else \
+    names = ["dE"] if target.kind.plain_sum else \
         ["loss", "dE", "dW"] + (["db"] if batch.b is not None else [])
     mismatched = []
     for name in names:

@@ -28,7 +28,7 @@ def _coefficient(case: Case, salt: int) -> float:
 
 def _linearity(target: Target, case: Case, name: str, which: str, salt: int) -> None:
     case, batch = batch_for(target, case)
-    inputs = target.table.inputs(batch)
+    inputs = target.kind.inputs(batch)
     base = inputs[which]
     rng = seeded(case, salt)
     a = _coefficient(case, salt + 1)

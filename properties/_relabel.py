@@ -38,8 +38,8 @@ def _permute_rows(a: np.ndarray, perm: np.ndarray) -> np.ndarray:
 
 def relabelled(target: Target, batch: Batch, perm: np.ndarray) -> dict[str, Any]:
     """The inputs of ``batch`` with every token id v renamed perm[v], for the target's kind."""
-    inputs = target.table.inputs(batch)
-    if target.kind == "kernel":
+    inputs = target.kind.inputs(batch)
+    if target.kind.plain_sum:  # a kernel's inputs: the positions' rows and logit columns
         g2 = np.empty_like(inputs["g"])
         g2[:, perm] = inputs["g"]  # logit column v becomes column perm[v]
         return {"tokens": perm[inputs["tokens"]], "g": g2}

@@ -180,7 +180,7 @@ def test_every_kind_is_a_folder_with_a_spec_and_one_table_line() -> None:
                if p.is_dir() and (p / "__init__.py").exists()}
     named = set()
     for kind, line in _LINES.items():
-        module, _, attr = line.partition(":")
+        module, _, attr = line.split()[0].partition(":")
         parts = module.split(".")
         assert parts[:3] == ["tyingspec", "_src", "kinds"] and parts[4:] == ["spec"], line
         named.add(parts[3])
@@ -300,3 +300,110 @@ def test_every_test_file_named_in_the_repository_exists() -> None:
     missing = sorted({f"{where}: {path}" for where, path in named
                       if not (PACKAGE.parent / path).exists()})
     assert not missing, "\n".join(missing)
+
+
+# ---- a kind is an object: nothing outside kinds/ names one ----------------------------------
+
+#: Where no kind may be named: the floors a new kind must not touch, and the shared properties.
+#: Left out: ``kinds/`` itself; ``tyingspec/__init__.py`` (the public surface re-exports
+#: ``TorchTarget``, ``JaxTarget``, ... from their folders); ``reproduce/`` (the write-up's
+#: experiments, on the probe model by design); and the properties of one kind (``_torch``,
+#: ``_jax``, ``_distributed``, ``_linear_ce``, ``_signatures`` of the probe kinds), which the
+#: kind's ``KindSpec.properties`` names.
+NAMELESS = ("core", "engine", "front", "ckpt")
+KIND_PROPERTIES = ("_torch", "_jax", "_distributed", "_linear_ce", "_signatures")
+
+
+def _nameless_files(package: Path) -> list[Path]:
+    """The modules under ``package`` (a copy of ``tyingspec/``) that may name no kind."""
+    files = [f for floor in NAMELESS for f in sorted((package / "_src" / floor).rglob("*.py"))]
+    properties = package.parent / "properties"
+    return files + [f for f in sorted(properties.glob("*.py")) if f.stem not in KIND_PROPERTIES]
+
+
+def kind_names_outside_kinds(package: Path) -> list[str]:
+    """Every comparison with a kind's name (``kind == "linear-ce"``, ``kind in ("model",
+    "kernel")``) and every import of a kind's folder (``kinds.linear_ce.zoo``) in the
+    modules that may name no kind, as ``path:line: what``."""
+    from tyingspec._src.kinds.table import KIND_NAMES
+
+    folders = sorted(p.name for p in (package / "_src" / "kinds").iterdir()
+                     if p.is_dir() and (p / "__init__.py").exists())
+    folder_import = re.compile(r"(^|\.)kinds\.(" + "|".join(folders) + r")(\.|$)")
+    names = set(KIND_NAMES)
+
+    def literals(node: ast.expr) -> list[str]:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [i.value for i in items if isinstance(i, ast.Constant) and i.value in names]
+
+    found = []
+    for f in _nameless_files(package):
+        where = f.relative_to(package.parent)
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+                hit = [n for side in (node.left, *node.comparators) for n in literals(side)]
+                if hit:
+                    found.append(f"{where}:{node.lineno}: compares with {', '.join(hit)}")
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                if any(folder_import.search(m) for m in modules):
+                    found.append(f"{where}:{node.lineno}: imports from {node.module}")
+            elif isinstance(node, ast.Import):
+                found += [f"{where}:{node.lineno}: imports {a.name}" for a in node.names
+                          if folder_import.search(a.name)]
+    return found
+
+
+def test_nothing_outside_kinds_names_a_kind() -> None:
+    # a new kind is its folder and its table line: every decision about a kind (what it needs
+    # installed, its padding row, its ignored target, its memory...) is a field of its spec
+    found = kind_names_outside_kinds(PACKAGE)
+    assert not found, "\n".join(found)
+
+
+def test_the_kind_name_rule_finds_a_comparison_and_an_import(tmp_path: Path) -> None:
+    # the test above must be able to fail: a copy of the package with one of each added
+    kinds = tmp_path / "tyingspec" / "_src" / "kinds"
+    (kinds / "linear_ce").mkdir(parents=True)
+    (kinds / "linear_ce" / "__init__.py").write_text("")
+    front = tmp_path / "tyingspec" / "_src" / "front"
+    front.mkdir()
+    (front / "x.py").write_text(
+        "from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS\n"
+        "import tyingspec._src.kinds.linear_ce.kind\n"
+        "def f(kind, spec):\n"
+        "    a = kind == 'linear-ce'\n"
+        "    b = spec.name in ('model', 'kernel')\n"
+        "    return a, b, kind == 'tokens'\n")
+    (tmp_path / "properties").mkdir()
+    (tmp_path / "properties" / "_relabel.py").write_text("ok = 'kernel' != 'kernel'\n")
+    found = kind_names_outside_kinds(tmp_path / "tyingspec")
+    assert [h.split(": ", 1)[0] for h in found] == [
+        "tyingspec/_src/front/x.py:1", "tyingspec/_src/front/x.py:2",
+        "tyingspec/_src/front/x.py:4", "tyingspec/_src/front/x.py:5",
+        "properties/_relabel.py:1"], found
+    assert "compares with model, kernel" in found[3], found
+
+
+def framework_rounding_under_kinds(package: Path) -> list[str]:
+    """Every ``finfo`` and ``eps / 2`` in a kind's folder, as ``path:line``: a kind counts its
+    local bounds in ``core.tolerance``'s units (``unit_of``, ``epsilon_of``), one rule for
+    every kind, not in its framework's own."""
+    rule = re.compile(r"\bfinfo\b|\beps\s*/\s*2\b")
+    return [f"{f.relative_to(package.parent)}:{n}"
+            for f in sorted((package / "_src" / "kinds").rglob("*.py"))
+            for n, line in enumerate(f.read_text().splitlines(), 1) if rule.search(line)]
+
+
+def test_no_kind_reads_its_frameworks_rounding() -> None:
+    found = framework_rounding_under_kinds(PACKAGE)
+    assert not found, found
+
+
+def test_the_rounding_rule_finds_finfo_and_half_an_eps(tmp_path: Path) -> None:
+    folder = tmp_path / "tyingspec" / "_src" / "kinds" / "torch"
+    folder.mkdir(parents=True)
+    (folder / "step.py").write_text("u = torch.finfo(x).eps\nok = 1\nv = eps / 2\n")
+    assert framework_rounding_under_kinds(tmp_path / "tyingspec") == [
+        "tyingspec/_src/kinds/torch/step.py:1", "tyingspec/_src/kinds/torch/step.py:3"]

@@ -21,6 +21,7 @@ from tyingspec._src.core.cases import Case, at_shape, e_rank, standard_cases
 from tyingspec._src.core.paths import closed_form_paths
 from tyingspec._src.engine.observe import Target, first_call
 from tyingspec._src.kinds.probe.builtins import REGISTRY
+from tyingspec._src.kinds.table import KINDS
 
 #: The smallest shape whose E is drawn through its factors (``core.cases.LOW_RANK_ABOVE``,
 #: ``LOW_RANK_FROM``).
@@ -98,7 +99,7 @@ def test_a_shortcut_exact_on_a_low_rank_E_is_wrong_on_every_case(name: str, ever
     fewer (a few tokens repeated), ``h`` has rank KEEP or less whatever E is, a rank-KEEP
     sketch of it is exact, and there is nothing to find: those cases are held to that."""
     kind, fn, dtype = SHORTCUTS[name]
-    target = Target(name, kind, fn)  # type: ignore[arg-type]
+    target = Target(name, KINDS[kind], fn)  # type: ignore[arg-type]
     cases = [c for c in _cases(N_KERNEL if kind == "kernel" else N_MODEL, dtype)
              if every or c.name in QUICK]
     seen = {c.name: first_call(target, c) for c in cases}
@@ -135,7 +136,7 @@ def test_the_correct_counterparts_pass_on_every_case() -> None:
         return dE
 
     for kind, fn in (("model", full_head), ("kernel", full_kernel)):
-        target = Target(fn.__name__, kind, fn)  # type: ignore[arg-type]
+        target = Target(fn.__name__, KINDS[kind], fn)  # type: ignore[arg-type]
         cases = _cases(N_KERNEL if kind == "kernel" else N_MODEL,
                        "float32" if kind == "kernel" else "float64")
         for case in (cases[0], replace(cases[-1], seed=cases[-1].seed + 1)):

@@ -13,11 +13,17 @@ import numpy as np
 import pytest
 
 from tyingspec._src.core import cases, memory, threads
-from tyingspec._src.core.cases import Case, build, bytes_needed, memory_problem, released
+from tyingspec._src.core.cases import Case, build, memory_problem, model_bytes, released
 from tyingspec._src.engine import observe as ob
 from tyingspec._src.kinds.probe.spec import KERNEL
+from tyingspec._src.kinds.table import KINDS
 
 LLAMA3 = (128256, 4096, 1024)
+
+
+def bytes_needed(V: int, d: int, N: int, precision: str = "float64", kind: str = "model") -> int:
+    """The peak a check of ``kind`` holds, by its spec's estimate."""
+    return KINDS[kind].peak_bytes(V, d, N, precision)
 
 
 def _case(**kw: object) -> Case:
@@ -30,7 +36,8 @@ def _case(**kw: object) -> Case:
 
 def test_the_estimate_defaults_to_the_float64_model_fit() -> None:
     V, d, N = 50257, 768, 1024
-    assert bytes_needed(V, d, N) == 8 * (7 * V * d + 5 * N * V // 2 + N * d)
+    assert model_bytes(V, d, N) == 8 * (7 * V * d + 5 * N * V // 2 + N * d)
+    assert bytes_needed(V, d, N) == model_bytes(V, d, N)
     assert bytes_needed(V, d, N) == bytes_needed(V, d, N, "float64", "model")
 
 
@@ -48,16 +55,17 @@ def test_the_kernel_estimate_is_below_the_model_fit_and_linear_ce_above_it() -> 
     assert kernel < bytes_needed(*LLAMA3, "float32", "model")
     assert kernel < bytes_needed(*LLAMA3, "float32", "linear-ce")
     # Llama-3's head in float32 fits a 24 GiB machine as a kernel check
-    assert memory_problem(*LLAMA3, 20 << 30, "float32", "kernel") is None
+    assert memory_problem(*LLAMA3, 20 << 30, "float32", KINDS["kernel"]) is None
 
 
 def test_the_refusal_names_the_precision_and_the_kind() -> None:
-    problem = memory_problem(*LLAMA3, 1 << 30, "bfloat16", "kernel")
+    problem = memory_problem(*LLAMA3, 1 << 30, "bfloat16", KINDS["kernel"])
     assert problem is not None
     assert "bfloat16" in problem and "kernel" in problem and "V=128256" in problem
-    auto = memory_problem(*LLAMA3, 1 << 30, "auto", "linear-ce")
+    auto = memory_problem(*LLAMA3, 1 << 30, "auto", KINDS["linear-ce"])
     assert auto is not None and "float64" in auto and "linear-ce" in auto
-    assert memory_problem(*LLAMA3, None, "float32", "kernel") is None  # unknown: nothing refused
+    # unknown: nothing refused
+    assert memory_problem(*LLAMA3, None, "float32", KINDS["kernel"]) is None
 
 
 def test_the_cli_refusal_names_the_precision(capsys: pytest.CaptureFixture[str]) -> None:

@@ -442,7 +442,7 @@ def test_a_worker_that_outranks_the_engine_is_sent_its_first_call_before_the_pre
     seen: list[bool] = []  # per reference built: was the first call sent while it was built?
     on: list[set[int]] = []  # per reference built: numpy's BLAS threads while it was built
     launch, submit = iso.Worker.launch, iso.Worker.submit
-    table = ob.KINDS["model"]
+    table = KINDS["model"]
     reference = table.reference
 
     def launched(self: iso.Worker) -> None:
@@ -504,7 +504,7 @@ def test_a_call_in_a_worker_has_its_reference_built_beside_it_where_the_worker_i
     seen: list[bool] = []  # per call collected: had its reference started before the answer?
     on: list[set[int]] = []  # numpy's BLAS threads while the reference was built
     collect = iso.Worker.collect
-    table = ob.KINDS["model"]
+    table = KINDS["model"]
     reference = table.reference
 
     def collected(self: iso.Worker) -> object:

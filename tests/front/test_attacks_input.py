@@ -344,16 +344,16 @@ def test_available_memory_falls_back_without_meminfo(tmp_path: Path,
 
 
 def test_an_unknown_memory_refuses_nothing_and_gpt2_size_fits_here() -> None:
-    from tyingspec._src.core.cases import bytes_needed, memory_problem
+    from tyingspec._src.core.cases import memory_problem, model_bytes
 
     assert memory_problem(10**9, 768, 1024, None) is None
     assert memory_problem(50257, 768, 1024, 8 << 30) is None  # about 3 GiB
-    assert 2 << 30 < bytes_needed(50257, 768, 1024) < 4 << 30
+    assert 2 << 30 < model_bytes(50257, 768, 1024) < 4 << 30
 
 
 def test_every_kernel_option_is_a_known_replay_key() -> None:
-    from tyingspec._src.core.cases import ce_problem
     from tyingspec._src.kinds.linear_ce.kind import OPTION_NAMES
+    from tyingspec._src.kinds.linear_ce.options import ce_problem
 
     words = {"reduction": "sum", "ce_weight": "drawn", "ignore_index": "-100"}
     for name in OPTION_NAMES:

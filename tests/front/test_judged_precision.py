@@ -20,6 +20,7 @@ from tyingspec._src.core.tolerance import GRID_EVIDENCE_BITS, computed_in, numpy
 from tyingspec._src.front.api import check
 from tyingspec._src.front.cli import main
 from tyingspec._src.kinds.probe.builtins import REGISTRY
+from tyingspec._src.kinds.table import KINDS
 
 ADAPTERS = textwrap.dedent('''
     """Correct implementations that compute in one precision and return another."""
@@ -170,7 +171,7 @@ def test_the_rule_is_the_engines_for_every_front_end() -> None:
                    res=res, s_in=s_in)
         return {k: None if v is None else np.asarray(v, np.float64) for k, v in out.items()}
 
-    target = Target("f32", "model", f32)
+    target = Target("f32", KINDS["model"], f32)
     case = next(c for c in standard_cases(0) if c.name == "repeated-tokens")
     o = observe(target, case)
     assert (o.precision, o.label) == ("float32", "correct"), o.diagnosis.detail

@@ -231,7 +231,7 @@ def test_a_float32_implementation_is_judged_at_float32_and_float64_one_at_float6
         return out
 
     with pytest.raises(PropertyFailure) as info:
-        PROPERTIES["sum_of_paths"].check(Target("rounded", "model", rounded), case64)
+        PROPERTIES["sum_of_paths"].check(Target("rounded", KINDS["model"], rounded), case64)
     # within the float32 bound, beyond the float64 one it claims: named for what it is
     assert info.value.label == "precision_limited", info.value
 

@@ -41,6 +41,7 @@ from tyingspec._src.kinds.linear_ce.kind import (  # noqa: E402
     standard_ce_cases,
 )
 from tyingspec._src.kinds.linear_ce.zoo import ce_numpy  # noqa: E402
+from tyingspec._src.kinds.table import KINDS  # noqa: E402
 
 CASES = standard_ce_cases(0)
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -118,7 +119,7 @@ class LitGPTHead(nn.Module):
 def in_process(spec: str, fn: Callable[..., Any], cases: list[Any] | None = None,
                ) -> tuple[list[CaseResult], list[str]]:
     """``tyingspec check`` on ``fn`` through the engine in this process, without shrinking."""
-    target = Target(f"test_linear_ce_conventions:{spec}", "linear-ce", fn)
+    target = Target(f"test_linear_ce_conventions:{spec}", KINDS["linear-ce"], fn)
     kept, notes = shaped(target, CASES if cases is None else cases)
     return [run_case(target, c, 0, do_shrink=False) for c in kept], notes
 

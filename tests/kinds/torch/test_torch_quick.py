@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from test_report_schema import assert_valid
 
-from tyingspec._src.front.check import QUICK_CHECKS, check_target
+from tyingspec._src.front.check import check_target
 from tyingspec._src.front.cli import main
+from tyingspec._src.kinds.table import KINDS
 
 
 def _run(argv: list[str], code: int, tmp_path: Path,
@@ -63,7 +64,8 @@ def test_a_quick_check_of_a_torch_model_runs_one_case_and_the_cheap_checks() -> 
     cpu = time.process_time() - t0
     assert quick.verdict == "correct" and quick.quick is not None
     assert (quick.quick.run, quick.quick.total) == (1, 4)
-    assert quick.quick.checks == QUICK_CHECKS["torch"]
+    assert quick.quick.checks == KINDS["torch"].quick_checks == (
+        "identity", "optimizer", "gradient", "forward")
     findings = {f.check.split()[0] for r in quick.results if r.diagnosis is not None
                 for f in r.diagnosis.findings}
     assert "micro-batch" not in " ".join(findings)

@@ -12,7 +12,7 @@ import weakref
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from tyingspec._src.core.paths import (
 )
 from tyingspec._src.core.threads import on_cores, on_row_blocks
 from tyingspec._src.core.tolerance import numpy_dtype
+
+if TYPE_CHECKING:
+    from tyingspec._src.core.kind import KindSpec
 
 #: How the tokens of a batch are composed.  ``random``: uniform; ``distinct``: no repeats;
 #: ``repeats``: ``distinct`` tokens, each present, some repeated; ``one-token``: one token N times;
@@ -440,64 +443,39 @@ def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], lis
 ENTRY_BYTES = {"auto": 8, "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def bytes_needed(V: int, d: int, N: int, precision: str = "float64", kind: str = "model") -> int:
-    """About how many bytes a check of ``kind`` at ``V, d, N`` in ``precision`` holds at its
-    peak.  ``e`` is a built entry's size (8, 4 or 2 bytes), ``w = max(e, 4)`` that of what is
-    computed from it (a bfloat16 E's forward, g and dE are float32); ``OVERHEAD`` is the
-    interpreter, numpy and the small arrays.  RSS from ``/usr/bin/time -v``, numpy 2, CPU:
-
-    - ``kernel``: the larger of its two phases.  The forward, building the inputs: E, g [N, V],
-      and the dE kept from the previous case (a buffer never zeroed shows across cases).  The
-      calls, E let go (``released``): g, the copy of it handed to the kernel, the previous
-      call's dE and this call's, the kernel's own zeroed [V, d] (the built-in scatters into
-      one) and the previous case's g, kept with its paths: ``3 Vdw + 3 NVw``.  Measured for
-      ``tyingspec check tied --kind kernel --shape V,d,N``: 1.35 GiB at 32768,2048,1024 in
-      float32 (all seven cases; this says 1.25 GiB, 7% under); 5.25 GiB in float32 and 5.23 GiB
-      in bfloat16 at 128256,4096,1024 (one case; this says 7.5 GiB: the zeroed [V, d] was not
-      resident there), so at production shapes it errs high.
-    - ``linear-ce``: ten [V, d] arrays of ``w`` bytes and two [N, V] (E and the copy the torch
-      form is handed, the kernel's dE and the autograd buffers of its chunks, the reference's
-      dE, the first call's tied gradient in float64 beside the repeat's): 3.04 GB measured for
-      ``tyingspec check ce-torch --kind linear-ce --case ce-plain`` at 32768,2048,1024
-      float32, 1.5% under this.
-    - ``model`` (and any other kind): the float64 fit this estimate started from, seven [V, d]
-      arrays (the E it builds, E after the SGD step, the reference's two paths, the returned
-      dE and their differences), two and a half [N, V], one [N, d], in 8-byte entries
-      whatever the precision (a float32 model check was not measured at these sizes), the
-      interpreter left out: 187 MiB at 8192,256,512, 311 MiB at 16384,256,256, 473 MiB at
-      16384,512,64 and 643 MiB at 1024,64,32768, each within 4% of this.
+def model_bytes(V: int, d: int, N: int, precision: str = "float64") -> int:
+    """About how many bytes a model check at ``V, d, N`` holds at its peak (the default of
+    ``KindSpec.peak_bytes``; the kernel and linear-ce kinds have their own, beside their
+    specs).  RSS from ``/usr/bin/time -v``, numpy 2, CPU: the float64 fit this estimate started
+    from, seven [V, d] arrays (the E it builds, E after the SGD step, the reference's two
+    paths, the returned dE and their differences), two and a half [N, V], one [N, d], in 8-byte
+    entries whatever the precision (a float32 model check was not measured at these sizes),
+    the interpreter left out: 187 MiB at 8192,256,512, 311 MiB at 16384,256,256, 473 MiB at
+    16384,512,64 and 643 MiB at 1024,64,32768, each within 4% of this.
 
     It is checked before any array is made, so ``--shape 1000000000,768,1024`` is refused at
     once instead of failing (or swapping) on its first allocation."""
-    e = ENTRY_BYTES.get(precision, 8)
-    w = max(e, 4)
-    if kind == "kernel":
-        forward = V * d * e + N * V * w + V * d * w
-        calls = 3 * V * d * w + 3 * N * V * w
-        return max(forward, calls) + OVERHEAD
-    if kind == "linear-ce":
-        return FIT_CE * V * d * w + 2 * N * V * w + OVERHEAD
     return 8 * (7 * V * d + 5 * N * V // 2 + N * d)
 
 
-#: [V, d] arrays a linear-ce check holds at its peak (see :func:`bytes_needed`).
-FIT_CE = 10
 #: The interpreter, numpy, and a check's small arrays (sketch projections, h, dx, bounds).
 OVERHEAD = 128 << 20
 
 
 def memory_problem(V: int, d: int, N: int, available: int | None, precision: str = "float64",
-                   kind: str = "model") -> str | None:
-    """Why a case of ``kind`` at ``V, d, N`` in ``precision`` cannot run here (it needs more
-    memory than ``available`` bytes); None when it fits or the available memory is unknown."""
+                   kind: KindSpec | None = None) -> str | None:
+    """Why a case of ``kind`` (default: a model) at ``V, d, N`` in ``precision`` cannot run
+    here (it needs more memory than ``available`` bytes, by the kind's ``peak_bytes``); None
+    when it fits or the available memory is unknown."""
     from tyingspec._src.core.options import byte_text
 
-    need = bytes_needed(V, d, N, precision, kind)
+    need = (model_bytes if kind is None else kind.peak_bytes)(V, d, N, precision)
     if available is None or need <= available:
         return None
     built = "float64" if precision == "auto" else precision
+    what = "model" if kind is None else kind.name
     return (f"V={V} d={d} N={N} in {built} needs about {byte_text(need)} of memory for a "
-            f"{kind} check and this machine has {byte_text(available)} available")
+            f"{what} check and this machine has {byte_text(available)} available")
 
 
 def batch_problem(tokens: tuple[int, ...] | None, targets: tuple[int, ...] | None,
@@ -526,58 +504,6 @@ def batch_problem(tokens: tuple[int, ...] | None, targets: tuple[int, ...] | Non
     ignored = "" if ignore_index is None else f" (a target may also be {ignore_index}, ignored)"
     where = "must be >= 0" if V is None else f"must be in [0, {V}) for V={V}"
     return f"token ids {where}{ignored}; got {' and '.join(parts)}"
-
-
-#: Keys of a linear-ce case's ``ce`` string that say how its batch is drawn (the kernel's
-#: options are ``kinds.linear_ce.kind.OPTION_NAMES``), and the values each takes: a
-#: number, or one of the words listed.
-CE_BATCH_KEYS: dict[str, tuple[str, ...]] = {"ignored": (), "logits": (), "target": ("same",)}
-#: The kernel options whose value is a word, not a number.
-CE_WORDS: dict[str, tuple[str, ...]] = {"reduction": ("mean", "sum", "none"),
-                                        "ce_weight": ("drawn",)}
-
-
-def ce_problem(text: str) -> str | None:
-    """Why a linear-ce ``ce`` string (a replay's ``ce=...``) is not one tyingspec can run: a
-    part that is not ``key=value``, a key it does not know (``logit_scal=0.0625``, which would
-    otherwise be dropped silently and the case run without the option), a key given twice,
-    or a value of the wrong sort; None when it is usable."""
-    known = [*OPTION_NAMES, *CE_BATCH_KEYS]
-    seen: set[str] = set()
-    for part in filter(None, text.split(",")):
-        key, sep, value = part.partition("=")
-        if not sep:
-            return f"ce: expected key=value parts separated by commas, got {part!r}"
-        if key not in known:
-            return f"ce: unknown option {key!r}; known: {', '.join(known)}"
-        if key in seen:
-            return f"ce: {key} given twice"
-        seen.add(key)
-        words = CE_WORDS.get(key, CE_BATCH_KEYS.get(key, ()))
-        if key == "ignore_index":  # a class id, -100, or "vocab" (drawn from the vocabulary)
-            if value != "vocab" and not value.lstrip("-").isdigit():
-                return f"ce: ignore_index expects an integer or vocab, got {value!r}"
-        elif words:
-            if value not in words:
-                return f"ce: {key} expects {' or '.join(words)}, got {value!r}"
-        else:
-            try:
-                number = float(value)
-            except ValueError:
-                return f"ce: {key} expects a number, got {value!r}"
-            if number != number or number in (float("inf"), float("-inf")):
-                return f"ce: {key} expects a finite number, got {value!r}"
-    return None
-
-
-def ce_ignore_index(text: str) -> int:
-    """The target id a ``ce`` string's batch may hold for an ignored token: its
-    ``ignore_index`` when that is an integer, else -100 (Liger's and torch's default)."""
-    for part in filter(None, text.split(",")):
-        key, _, value = part.partition("=")
-        if key == "ignore_index" and value.lstrip("-").isdigit():
-            return int(value)
-    return -100
 
 
 def closed_form(batch: Batch, dtype: str = "float64") -> Paths:
@@ -700,8 +626,9 @@ def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
 
 
 # --- the linear-ce part of a case -------------------------------------------------------------
-# A case's ``ce`` string belongs to the case format every front end parses and replays, so its
-# options and draws live here, with the case; the linear-ce kind reads them from here.
+# A case's ``ce`` string belongs to the case format, and :func:`build` draws its arrays: the
+# parsing and the draws live here, with the case, until ``build`` takes its kind's draws as a
+# ``KindSpec`` hook.  Checking a replay's options is the kind's (``kinds/linear_ce/options``).
 
 IGNORE_INDEX = -100
 #: The kernel options, as Liger's constructor names them (plus logit_scale).

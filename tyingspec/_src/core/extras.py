@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tyingspec._src.core.options import UsageError
 
-__all__ = ["EXTRAS", "INCLUDES", "KIND_MODULES", "PRECISION_MODULES", "MissingExtra",
+__all__ = ["EXTRAS", "INCLUDES", "PRECISION_MODULES", "MissingExtra",
            "hint_text", "imports_reached", "missing_extra", "require", "require_run",
            "target_imports", "with_hint"]
 
@@ -43,8 +43,6 @@ EXTRAS: dict[str, str] = {
 #: installs torch and safetensors), so an install naming both names the larger alone
 INCLUDES: dict[str, frozenset[str]] = {"transformers": frozenset({"torch"})}
 
-#: the module a kind's own code imports whatever the target: no run of the kind starts without it
-KIND_MODULES: dict[str, str] = {"torch": "torch", "distributed": "torch", "jax": "jax"}
 #: the module a precision needs beyond numpy
 PRECISION_MODULES: dict[str, str] = {"bfloat16": "ml_dtypes"}
 
@@ -102,12 +100,13 @@ def require(module: str, needed_for: str = "",
 
 def require_run(kind: str, precision: str, flag: str = "--",
                 imports: Callable[[], Iterable[str]] | None = None,
-                importer: str = "the target") -> None:
+                importer: str = "the target", *, needs: str | None = None) -> None:
     """Raise :class:`MissingExtra` unless what every run of ``kind`` at ``precision`` needs is
-    installed (``imports`` and ``importer`` as for :func:`require`).  The message names the
-    option as given to the front end: ``flag`` is ``--`` for the command line, ``--tyingspec-``
-    for the pytest plugin."""
-    for option, value, module in (("kind", kind, KIND_MODULES.get(kind)),
+    installed: ``needs``, the module the kind's own code imports whatever the target (its
+    table line's, ``kinds.table.needs``), and the precision's (``imports`` and ``importer`` as
+    for :func:`require`).  The message names the option as given to the front end: ``flag`` is
+    ``--`` for the command line, ``--tyingspec-`` for the pytest plugin."""
+    for option, value, module in (("kind", kind, needs),
                                   ("precision", precision, PRECISION_MODULES.get(precision))):
         if module is not None:
             require(module, f"{flag}{option}={value}", imports, importer)

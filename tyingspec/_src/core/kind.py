@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from tyingspec._src.core.adapters import signature_problem
-from tyingspec._src.core.cases import Case, kernel_paths, standard_cases
+from tyingspec._src.core.cases import Case, kernel_paths, model_bytes, standard_cases
 from tyingspec._src.core.paths import Paths
 
 if TYPE_CHECKING:
@@ -115,6 +115,42 @@ class KindSpec:
     # what the worker process does before it imports a target of this kind (linear-ce: the
     # Triton interpreter switched on where no GPU is, which must precede triton's import)
     before_import: Callable[[], None] | None = None
+    # the module every run of the kind imports whatever the target (``--kind torch``: torch),
+    # required before the run so that its absence is a usage error naming the extra
+    needs: str | None = None
+    # the module a built-in target needs beyond ``needs``, by its name (a linear-ce built-in
+    # that is a torch module); None: none does
+    builtin_needs: Callable[[str], str | None] | None = None
+    # why ``--padding-idx`` does not apply to a target of this kind (it declares its own, or
+    # gets the rows it scatters as they are); None: it does (the model kind)
+    no_padding_flag: str | None = "gets the rows it scatters as they are"
+    # the target id an ignored token carries in a case's batch, from the case's options
+    # (linear-ce: its ``ignore_index``, else -100); None: a batch holds no ignored target
+    ignored_target: Callable[[str], int] | None = None
+    # why a case's kind options (``Case.ce``) cannot be run; None: the kind takes none
+    options_problem: Callable[[str], str | None] | None = None
+    # True when the reference is a function of the inputs and the precision alone, so that the
+    # engine may build it before the call returns (``engine.observe``); a torch model's is
+    # observed in its call
+    reference_first: bool = False
+    # about how many bytes a check at ``V, d, N`` in a precision holds at its peak (see
+    # ``core.cases.model_bytes``)
+    peak_bytes: Callable[[int, int, int, str], int] = model_bytes
+    # the kind's own checks a quick check runs (``inputs["checks"]``); None: all of them
+    quick_checks: tuple[str, ...] | None = None
+    # the input names a micro-batch slices along the positions (``micro_batches_accumulate``)
+    sliced: tuple[str, ...] = ("tokens", "targets")
+    # True for a kernel's call: dE alone, a plain sum over the positions of its inputs (rows
+    # and logit columns), not a model's mean loss with dW and db (the probe properties slice
+    # and relabel those inputs accordingly)
+    plain_sum: bool = False
+    # puts the kind's stateful built-ins back as new (a mutant that drifts across calls), so
+    # that a kill matrix does not depend on the order of its rows; None: none has state
+    reset: Callable[[], None] | None = None
+
+    def ignore_index(self, options: str = "") -> int | None:
+        """The target id an ignored token carries in a batch of ``options`` (None: none)."""
+        return None if self.ignored_target is None else self.ignored_target(options)
 
     def mismatch(self, fn: Callable[..., Any]) -> str | None:
         """Why ``fn`` does not look like an adapter of this kind; None when it does."""

@@ -77,6 +77,27 @@ def unit_of(dtype: object) -> float:
     return UNIT_ROUNDOFF[precision_of(dtype)]
 
 
+#: The smallest positive normal value of each precision (what a framework's ``finfo(...).tiny``
+#: says): a floor under a bound built of products that can underflow.
+SMALLEST_NORMAL: dict[Precision, float] = {
+    "float64": 2.0**-1022,
+    "float32": 2.0**-126,
+    "float16": 2.0**-14,
+    "bfloat16": 2.0**-126,
+}
+
+
+def epsilon_of(dtype: object) -> float:
+    """The machine epsilon (twice the unit roundoff, :func:`unit_of`) of ``dtype``: the unit a
+    kind's local rule is written in where its bound counts whole ulps (``8 eps``)."""
+    return 2 * unit_of(dtype)
+
+
+def smallest_normal(dtype: object) -> float:
+    """The smallest positive normal value of ``dtype`` (float64's when unknown)."""
+    return SMALLEST_NORMAL[precision_of(dtype)]
+
+
 def least_precise(*dtypes: object) -> Precision:
     """The least precise of ``dtypes`` (``None`` entries ignored); float64 when none."""
     names = [precision_of(d) for d in dtypes if d is not None]

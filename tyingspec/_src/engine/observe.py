@@ -59,7 +59,7 @@ from tyingspec._src.core.tolerance import (
     value_tolerance,
 )
 from tyingspec._src.engine.isolation import DEFAULT_TIMEOUT, Worker
-from tyingspec._src.kinds.table import KINDS, Kind, KindSpec, fitting, kind_spec, resolve
+from tyingspec._src.kinds.table import Kind, KindSpec, fitting, kind_spec, resolve
 
 PrecisionChoice = Literal["auto", "float64", "float32", "bfloat16", "float16"]
 PRECISION_CHOICES: tuple[PrecisionChoice, ...] = get_args(PrecisionChoice)
@@ -104,10 +104,11 @@ def _phase(name: str) -> None:
 
 @dataclass(frozen=True)
 class Target:
-    """An adapter resolved in this process: its spec, kind, the callable, the precision."""
+    """An adapter resolved in this process: its spec, kind (the ``KindSpec`` itself, read from
+    the table when the target was loaded), the callable, the precision."""
 
     spec: str
-    kind: Kind
+    kind: KindSpec
     fn: Callable[..., Any]
     precision: PrecisionChoice = "auto"
     worker: Worker | None = None  # a module:attr target runs in its own process
@@ -122,12 +123,8 @@ class Target:
         if self.worker is not None:
             self.worker.stop(wait=False)  # its exit overlaps whatever this process does next
 
-    @property
-    def table(self) -> KindSpec:
-        return KINDS[self.kind]
-
     def __repr__(self) -> str:
-        return f"Target({self.spec!r}, {self.kind!r}, precision={self.precision!r})"
+        return f"Target({self.spec!r}, {self.kind.name!r}, precision={self.precision!r})"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         # Hypothesis' falsifying example would otherwise list the dataclass field by field.
@@ -183,28 +180,25 @@ class _Building:
         return self._paths
 
 
-#: Kinds whose reference is a function of the inputs and the precision alone (a torch model's
-#: is observed in its call): with a declared precision, the first call's is built while the
-#: worker loads (an import leaves a core idle), and a later call's beside the call where the
-#: worker is this process's equal (see :data:`_BESIDE_CALL_ABOVE`).
-_REFERENCE_FIRST = ("model", "kernel")
-
-
 def _reference_from_inputs(target: Target) -> bool:
-    """Whether ``target``'s reference can be built from a call's inputs before it returns."""
-    return target.kind in _REFERENCE_FIRST and target.table.complete is None
+    """Whether ``target``'s reference can be built from a call's inputs before it returns
+    (``KindSpec.reference_first``: a function of the inputs and the precision alone; a torch
+    model's is observed in its call): with a declared precision, the first call's is built
+    while the worker loads (an import leaves a core idle), and a later call's beside the call
+    where the worker is this process's equal (see :data:`_BESIDE_CALL_ABOVE`)."""
+    return target.kind.reference_first and target.kind.complete is None
 
 
 def _reference_of(target: Target, batch: Batch, inputs: dict[str, Any]) -> Callable[[], Paths]:
     """The reference of a call on ``batch``'s ``inputs`` at the declared precision, to build."""
-    return functools.partial(target.table.reference, batch, inputs, target.precision, None)
+    return functools.partial(target.kind.reference, batch, inputs, target.precision, None)
 
 
 def _remote(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("this target runs in its worker process: use tyingspec's engine.call")
 
 
-def load(spec: str, kind: str, precision: PrecisionChoice = "auto", *,
+def load(spec: str, kind: Kind | KindSpec, precision: PrecisionChoice = "auto", *,
          isolate: bool = True, timeout: float = DEFAULT_TIMEOUT,
          paths: tuple[str, ...] = (), prepare: Sequence[Case] = ()) -> Target:
     """Resolve ``spec`` as an adapter of ``kind``; its signature is compared with the kind's
@@ -218,7 +212,7 @@ def load(spec: str, kind: str, precision: PrecisionChoice = "auto", *,
     past the import, for a worker that outranks this process: see :class:`_Building`).  Call
     :meth:`Target.close` when done."""
     try:
-        table = kind_spec(kind)
+        table = kind if isinstance(kind, KindSpec) else kind_spec(kind)
     except ValueError as exc:
         raise AdapterError(spec, str(exc)) from None
     worker: Worker | None = None
@@ -227,7 +221,7 @@ def load(spec: str, kind: str, precision: PrecisionChoice = "auto", *,
         worker = Worker(spec, table.name, timeout, paths)
         worker.launch()
         try:
-            _prepare(Target(spec, table.name, _remote, precision, worker, prepared), prepare)
+            _prepare(Target(spec, table, _remote, precision, worker, prepared), prepare)
             worker.wait_loaded()
         except BaseException:
             worker.stop()
@@ -235,16 +229,16 @@ def load(spec: str, kind: str, precision: PrecisionChoice = "auto", *,
         fn: Callable[..., Any] = _remote
         problem, fits = worker.signature_problem, worker.fits
     else:
-        fn = resolve(spec, kind)
+        fn = resolve(spec, table.name)
         problem, fits = fitting(fn, table.name)
     if problem is not None:
         if worker is not None:
             worker.stop()
         hint = (f"; it looks like a {fits[0]} adapter ({kind_spec(fits[0]).contract}): "
                 f"rerun with --kind {fits[0]}") if fits else ""
-        raise AdapterError(spec, f"does not match the {kind} contract{hint}",
+        raise AdapterError(spec, f"does not match the {table.name} contract{hint}",
                            expected=table.contract, got=problem)
-    return Target(spec, table.name, fn, precision, worker, prepared)
+    return Target(spec, table, fn, precision, worker, prepared)
 
 
 def _prepare(target: Target, cases: Sequence[Case]) -> None:
@@ -252,12 +246,12 @@ def _prepare(target: Target, cases: Sequence[Case]) -> None:
     the worker already reported ends the load at once; a case that cannot be built is left
     for its first call, to fail where it always did."""
     assert target.worker is not None
-    if target.table.own_shape or not _reference_from_inputs(target):
+    if target.kind.own_shape or not _reference_from_inputs(target):
         return
     for case in cases:
         try:
             spelled, batch = batch_for(target, case)
-            inputs = target.table.inputs(batch)
+            inputs = target.kind.inputs(batch)
         except Exception:  # noqa: BLE001  (raised again by the first call)
             return
         target.worker.stage(_given(target, inputs))  # the call's blocks, off its path
@@ -278,7 +272,7 @@ def _prepare(target: Target, cases: Sequence[Case]) -> None:
 
 def _released(target: Target, batch: Batch, inputs: dict[str, Any]) -> Batch:
     """The batch without what the kind's inputs no longer need (a kernel's E)."""
-    release = target.table.release
+    release = target.kind.release
     return batch if release is None else release(batch, inputs)
 
 
@@ -291,7 +285,7 @@ def declared(target: Target, case: Case) -> Case:
 
 def call(target: Target, batch: Batch, **overrides: Any) -> Returned:
     """Call the target on a batch's inputs for its kind, any of them replaced."""
-    return _invoke(target, target.table.inputs(batch) | overrides)
+    return _invoke(target, target.kind.inputs(batch) | overrides)
 
 
 def _invoke(target: Target, inputs: dict[str, Any]) -> Returned:
@@ -299,12 +293,12 @@ def _invoke(target: Target, inputs: dict[str, Any]) -> Returned:
     if target.worker is not None:
         returned: Returned = target.worker.invoke(given)
         return returned
-    return target.table.invoke(target.spec, target.fn, given)
+    return target.kind.invoke(target.spec, target.fn, given)
 
 
 def _given(target: Target, inputs: dict[str, Any]) -> dict[str, Any]:
     """What the adapter is handed: the kind's inputs, and the precision if it takes one."""
-    return inputs | {"precision": target.precision} if target.table.takes_precision else inputs
+    return inputs | {"precision": target.precision} if target.kind.takes_precision else inputs
 
 
 def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
@@ -312,17 +306,17 @@ def reference(target: Target, batch: Batch, *, precision: Precision = "float64",
     """The two-path reference for the inputs :func:`call` hands over, for a check judged at
     ``precision`` (float64 arithmetic, or float32 at large shapes judged at float32 or below;
     see ``core.cases.working_dtype``)."""
-    return target.table.reference(batch, target.table.inputs(batch) | overrides, precision, None)
+    return target.kind.reference(batch, target.kind.inputs(batch) | overrides, precision, None)
 
 
 def _judged(target: Target, batch: Batch, inputs: dict[str, Any], precision: Precision,
             returned: Returned, paths: Paths | None = None) -> tuple[Returned, Paths]:
     """The reference of a call (unless already built), and what it returned as judged: a kind
     with its own judgement (``complete``) derives both from the call."""
-    if target.table.complete is not None:
-        return target.table.complete(batch, inputs, precision, returned)
+    if target.kind.complete is not None:
+        return target.kind.complete(batch, inputs, precision, returned)
     if paths is None:
-        paths = target.table.reference(batch, inputs, precision, returned)
+        paths = target.kind.reference(batch, inputs, precision, returned)
     return returned, paths
 
 
@@ -489,8 +483,8 @@ def _summed_exactly(first: Finding, diag: Diagnosis, returned: Returned) -> bool
 def own_case(target: Target, case: Case) -> Case:
     """``case`` at the target's own shape (see :func:`shape_of`; asked once per target), its
     composition and seed kept: how a property draws batches for a torch model."""
-    if target.table.shape_cases is not None:
-        return target.table.shape_cases(target.spec, described(target), [case])[0][0]
+    if target.kind.shape_cases is not None:
+        return target.kind.shape_cases(target.spec, described(target), [case])[0][0]
     shape = shape_of(target)
     if shape is None:
         return case
@@ -506,7 +500,7 @@ def own_case(target: Target, case: Case) -> Case:
 def shape_of(target: Target) -> tuple[int, int, int] | None:
     """A kind whose batch shape is the target's own (a torch model's vocabulary, width and
     batch_size x seq_len): that shape, asked of the target; None for other kinds."""
-    if not target.table.own_shape:
+    if not target.kind.own_shape:
         return None
     tie = described(target)["tie"]
     return int(tie["vocab"]), int(tie["width"]), int(tie["batch_size"]) * int(tie["seq_len"])
@@ -518,7 +512,7 @@ _DESCRIBED: dict[tuple[str, str], dict[str, Any]] = {}
 def described(target: Target) -> dict[str, Any]:
     """What a target says of itself (a linear-ce kernel: its form and the options it declares),
     asked once per target."""
-    key = (target.spec, target.kind)
+    key = (target.spec, target.kind.name)
     if key not in _DESCRIBED:
         _DESCRIBED[key] = dict(_invoke(target, {"mode": "describe"}).evidence)
     return _DESCRIBED[key]
@@ -527,24 +521,24 @@ def described(target: Target) -> dict[str, Any]:
 def runnable(target: Target, case: Case) -> str | None:
     """Why ``case`` cannot run on ``target`` (it needs an option the target does not declare;
     never silently treated as off); None when it can."""
-    if target.table.unfit is None:
+    if target.kind.unfit is None:
         return None
-    return target.table.unfit(described(target), case)
+    return target.kind.unfit(described(target), case)
 
 
 def shaped(target: Target, cases: list[Case]) -> tuple[list[Case], list[str]]:
     """The cases at the target's own shape (see :func:`shape_of`), those it can run, and notes
     on what changed."""
-    if target.table.unfit is not None:
+    if target.kind.unfit is not None:
         unfit = [(c.name, why) for c in cases if (why := runnable(target, c)) is not None]
         cases = [c for c in cases if runnable(target, c) is None]
         notes = [f"left out {name}: {why}" for name, why in unfit]
-        if target.table.shape_cases is None:
+        if target.kind.shape_cases is None:
             return cases, notes
-        cases, more = target.table.shape_cases(target.spec, described(target), cases)
+        cases, more = target.kind.shape_cases(target.spec, described(target), cases)
         return cases, notes + more
-    if target.table.shape_cases is not None:
-        return target.table.shape_cases(target.spec, described(target), cases)
+    if target.kind.shape_cases is not None:
+        return target.kind.shape_cases(target.spec, described(target), cases)
     shape = shape_of(target)
     if shape is None:
         return cases, []
@@ -628,7 +622,7 @@ def _first_made(target: Target, case: Case, **overrides: Any
         return (prepared.case, prepared.batch, prepared.inputs,
                 _invoke(target, prepared.inputs), prepared.paths)
     case, whole = batch_for(target, case)
-    inputs = target.table.inputs(whole) | overrides
+    inputs = target.kind.inputs(whole) | overrides
     batch = _released(target, whole, inputs)
     if overrides or not _beside_call(target, whole):
         return case, batch, inputs, _invoke(target, inputs), None
@@ -708,7 +702,7 @@ def _set_aside() -> None:
 
 
 def _remember(target: Target, obs: Observation) -> Observation:
-    key = (target.spec, target.kind, tuple(obs.returned.dE.shape))
+    key = (target.spec, target.kind.name, tuple(obs.returned.dE.shape))
     previous = _LAST.pop(key, None)  # let go before this dE is kept: never two kept at once
     if not (previous is None or not obs.diagnosis.wrong or obs.label == "inputs_mutated" or
             obs.diagnosis.findings):  # a named check decided it, not the rows
@@ -773,7 +767,7 @@ def observe(target: Target, case: Case, *, step: bool = True, **overrides: Any
     when it reveals a bug the first did not).  ``overrides`` replace inputs of the call."""
     _set_aside()  # the last observation's dE, now held by nothing else
     if step and not overrides and not target._wrong_first and target.worker is not None \
-            and target.table.complete is None and target.worker.outranks():
+            and target.kind.complete is None and target.worker.outranks():
         return _observe_ahead(target, case)
     # Otherwise the second call is made after the first is judged, not beside its judgement:
     # where the two processes share the cores as equals, sending it first shows no steady
@@ -847,9 +841,9 @@ def _after_first(target: Target, batch: Batch, inputs: dict[str, Any], returned:
     it returned: the same for a repeat (step 0), the short batch after one step with the dE
     it returned; None when the kind makes no second call or the step would not move E (or
     would move it by no finite amount)."""
-    if target.table.second_call == "none":
+    if target.kind.second_call == "none":
         return None
-    if target.table.second_call == "repeat":
+    if target.kind.second_call == "repeat":
         return batch, 0.0, inputs
     moved = sgd_step(batch, returned.dE)
     if moved is None or not np.isfinite(moved[1]):  # a dE that is not finite is wrong anyway
@@ -857,7 +851,7 @@ def _after_first(target: Target, batch: Batch, inputs: dict[str, Any], returned:
     stepped, lr = moved
     keep = min(SECOND_CALL_POSITIONS, stepped.tokens.shape[0])
     short = replace(stepped, tokens=stepped.tokens[:keep], targets=stepped.targets[:keep])
-    return short, lr, target.table.inputs(short)
+    return short, lr, target.kind.inputs(short)
 
 
 def _second_judged(target: Target, first: Observation, batch: Batch, lr: float,

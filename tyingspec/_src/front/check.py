@@ -31,9 +31,6 @@ from tyingspec._src.front.results import CaseResult, CheckReport, Quick
 if TYPE_CHECKING:  # annotations only: the progress line's module loads when one is shown
     from tyingspec._src.front.progress import Progress
 
-#: The target a linear-ce kernel ignores (Liger's and torch's default ignore_index).
-IGNORE_INDEX = -100
-
 
 #: The largest shape a proxy of a wrong case has: small enough that a shrinking step costs
 #: milliseconds, big enough that a repeated token and an absent row both occur.
@@ -142,11 +139,11 @@ def shrink_in_run(target: Target, case: Case, obs: Observation, cost: float,
 
 
 def replay_command(target: Target, base_seed: int, case: Case) -> str:
-    parts = ["tyingspec", "check", target.spec, "--kind", target.kind, "--seed",
+    parts = ["tyingspec", "check", target.spec, "--kind", target.kind.name, "--seed",
              str(base_seed), "--case", case.name]
     if target.precision != "auto":
         parts += ["--precision", target.precision]
-    for key, _ in target.table.flags:  # --autocast, --compile
+    for key, _ in target.kind.flags:  # --autocast, --compile
         value = case.setting_value(key)
         if value:
             parts += [f"--{key}", value]
@@ -176,7 +173,7 @@ def run_case(target: Target, case: Case, base_seed: int, *, do_shrink: bool = Tr
              keep_rows: bool = False) -> CaseResult:
     """Observe one case through the engine; shrink a wrong one to its smallest batch, within
     the run's :class:`ShrinkBudget` (a number: this case's own budget).  ``checks``: the
-    kind's own checks to run (a torch model's, see :data:`QUICK_CHECKS`), else all of them;
+    kind's own checks to run (a torch model's, see ``KindSpec.quick_checks``), else all of them;
     ``progress`` is told each phase; ``keep_rows`` keeps each row's error for ``--html``."""
     budget = shrink_budget if isinstance(shrink_budget, ShrinkBudget) else ShrinkBudget(
         shrink_budget, share=float("inf"))
@@ -211,27 +208,17 @@ def explicit_batch_problem(target: Target, case: Case) -> str | None:
     model raises an IndexError inside its embedding, a traceback instead of a usage error."""
     if case.tokens is None and case.targets is None:
         return None
-    ignore = IGNORE_INDEX if target.kind == "linear-ce" else None
+    ignore = target.kind.ignore_index()
     problem = batch_problem(case.tokens, case.targets, case.V, ignore_index=ignore)
-    if problem is not None or ignore is None or IGNORE_INDEX not in (case.targets or ()):
+    if problem is not None or ignore is None or ignore not in (case.targets or ()):
         return problem
     from tyingspec._src.engine.observe import described
 
     if "ignore_index" not in described(target).get("options", ()):
-        return (f"a target of {IGNORE_INDEX} is an ignored token, and the kernel declares no "
+        return (f"a target of {ignore} is an ignored token, and the kernel declares no "
                 "ignore_index option")
     return None
 
-
-#: The kind's own checks a quick check runs, for kinds whose call runs checks beyond the rows
-#: (``inputs["checks"]``, see ``kinds.torch.adapter.CHECKS``): a torch model's identity and
-#: optimizer checks (batch-independent, run once), its gradient by path and against the
-#: forward (which judges a model whose uses cannot be observed); not the fresh-gradient,
-#: micro-batch and training-step checks, each one or more further passes a case.  A JAX
-#: model's checks are all of this kind, so it runs them all.
-QUICK_CHECKS: dict[str, tuple[str, ...]] = {
-    "torch": ("identity", "optimizer", "gradient", "forward"),
-}
 
 #: What a quick check wants a case with the power to see, one each (``Diagnosis.power``).
 PATHS = ("input_path", "output_path", "duplicates")
@@ -267,7 +254,7 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = Non
     ``progress`` is told the target's loading, each case's start and end and each phase.
     ``quick``: the cases run in order until each path (input, output, repeated tokens) has
     had one with the power to see it, or one is wrong or an adapter error, with the kind's
-    :data:`QUICK_CHECKS`; ``report.quick`` says how many ran of how many.  ``keep_rows``
+    ``KindSpec.quick_checks``; ``report.quick`` says how many ran of how many.  ``keep_rows``
     keeps each case's rows for a picture (``front.html``)."""
     report = CheckReport(spec, kind, seed, precision=precision)
     if cases is None:
@@ -302,9 +289,9 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = Non
             if problem is not None:
                 raise UsageError(f"case {case.name}: {problem}")
         # a model's batch shape is its own: a smaller batch is not one it takes
-        do_shrink = not target.table.own_shape
+        do_shrink = not target.kind.own_shape
         budget = ShrinkBudget(shrink_budget)
-        checks = QUICK_CHECKS.get(target.kind) if quick else None
+        checks = target.kind.quick_checks if quick else None
         seen: set[str] = set()
         for index, case in enumerate(cases, 1):
             if progress is not None:

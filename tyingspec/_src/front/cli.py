@@ -21,7 +21,7 @@ from tyingspec._src.core.options import (
     shrink_budget,
     target_paths,
 )
-from tyingspec._src.kinds.table import KIND_NAMES
+from tyingspec._src.kinds.table import DEFAULT_KIND, KIND_NAMES
 
 if TYPE_CHECKING:
     from tyingspec._src.core.cases import Case
@@ -185,9 +185,9 @@ def _list() -> int:
         breaks = f"breaks {impl.breaks} -> {impl.expected}" if impl.breaks else "correct"
         print(f"  {impl.name:<24} [{kinds}] {breaks}: {impl.description.splitlines()[0]}")
     for spec in KINDS.values():
-        if spec.cases is standard_cases and spec.name != "model":
+        if spec.cases is standard_cases and spec.name != DEFAULT_KIND:
             continue  # the same cases as the model kind's
-        label = "" if spec.name == "model" else f" --kind {spec.name}"
+        label = "" if spec.name == DEFAULT_KIND else f" --kind {spec.name}"
         print(f"cases run by `tyingspec check TARGET{label}`:")
         for c in spec.cases(0):
             print(f"  {c.name:<20} {c.describe()}")

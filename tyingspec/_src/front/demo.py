@@ -5,16 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tyingspec._src.core.cases import Case, build, case_seed
+from tyingspec._src.core.kind import Implementation
 from tyingspec._src.core.render import exact_cell, rows_text
 from tyingspec._src.engine.observe import load
 from tyingspec._src.front.check import run_case
 from tyingspec._src.front.results import CaseResult
-from tyingspec._src.kinds.probe.builtins import builtins
+from tyingspec._src.kinds.table import DEFAULT_KIND, kind_spec
 
 #: (table label, built-in name) in the order of the write-up's table.
 TABLE_ROWS = (("both paths, +=", "tied"), ("output path only", "output-path-only"),
               ("input path only", "input-path-only"))
 EXTRA = ("untied-sum", "duplicates-buffered")
+
+
+def _builtins() -> dict[str, Implementation]:
+    """The zoo the demo draws its rows from: the default kind's (the probe model's)."""
+    return kind_spec(DEFAULT_KIND).builtins()
 
 
 def demo_case(seed: int) -> Case:
@@ -30,14 +36,14 @@ class Demo:
 
     @property
     def as_expected(self) -> bool:
-        return all(r.diagnosis is not None and r.diagnosis.label == builtins()[n].expected
+        return all(r.diagnosis is not None and r.diagnosis.label == _builtins()[n].expected
                    for n, r in self.results.items())
 
 
 def run_demo(seed: int) -> Demo:
     case = demo_case(seed)
     names = [n for _, n in TABLE_ROWS] + list(EXTRA)
-    return Demo(case, {n: run_case(load(n, "model"), case, seed, do_shrink=False)
+    return Demo(case, {n: run_case(load(n, DEFAULT_KIND), case, seed, do_shrink=False)
                        for n in names})
 
 
@@ -58,7 +64,7 @@ def render_demo(demo: Demo) -> str:
         lines.append(f"| {label} | {d.rows_wrong} | {exact_cell(d)} |")
     lines += ["", "diagnoses:"]
     for name in [n for _, n in TABLE_ROWS] + list(EXTRA):
-        impl, d = builtins()[name], demo.results[name].diagnosis
+        impl, d = _builtins()[name], demo.results[name].diagnosis
         assert d is not None
         where = f"; wrong rows {rows_text(d.wrong_rows)}" if d.wrong_rows else ""
         lines.append(f"  {name} ({impl.description}):")

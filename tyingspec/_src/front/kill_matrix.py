@@ -22,7 +22,7 @@ from typing import Any
 
 from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.cases import Case
-from tyingspec._src.core.kind import Implementation
+from tyingspec._src.core.kind import Implementation, KindSpec
 from tyingspec._src.core.options import positive_int
 from tyingspec._src.core.options import seed as option_seed
 from tyingspec._src.kinds.table import KIND_NAMES
@@ -168,10 +168,10 @@ def run_property(prop: Any, impl: Implementation, kind: str, *, max_examples: in
     from hypothesis.strategies import SearchStrategy
 
     from tyingspec._src.engine.observe import load
-    from tyingspec._src.kinds.probe import mutants as _mutants
+    from tyingspec._src.kinds.table import kind_spec
     from tyingspec.properties import PropertyFailure, label_locked
 
-    _mutants.reset_state()
+    _reset(kind_spec(kind))
     target = load(impl.name, kind)
     counts = {"examples": 0, "discarded": 0}
     check = label_locked(prop.check)
@@ -236,17 +236,22 @@ def _first_failure(exc: BaseException) -> Any:
     return None
 
 
+def _reset(spec: KindSpec) -> None:
+    """The kind's stateful built-ins as new: no row's verdict depends on the rows before it."""
+    if spec.reset is not None:
+        spec.reset()
+
+
 def run_row(impl: Implementation, kind: str, *, max_examples: int,
             seed: int | None = None, properties: Iterable[str] | None = None) -> Row:
     """Every applicable property against one implementation of one kind."""
     from tyingspec._src.front.check import check_target
-    from tyingspec._src.kinds.probe import mutants as _mutants
     from tyingspec._src.kinds.table import kind_spec
     from tyingspec.properties import for_kind
 
     wanted = None if properties is None else set(properties)
     row = Row(impl.name, kind, impl.breaks, impl.expected)
-    _mutants.reset_state()
+    _reset(kind_spec(kind))
     row.label = check_target(impl.name, kind, 0, kind_spec(kind).cases(0),
                              shrink_budget=0.0).diagnosis_label
     for prop in for_kind(kind):
@@ -410,20 +415,27 @@ def _nothing_to_run(names: Sequence[str], kinds: Sequence[str]) -> str:
 
 
 def _require_extras(pairs: Sequence[tuple[Implementation, str]], every_kind: bool) -> None:
-    """torch before the run, not after the first hour of it: the torch kind's zoo and the
-    torch-form linear-ce built-ins need it."""
+    """What the rows import, before the run, not after the first hour of it: each kind's own
+    module (torch for the torch and distributed zoos, jax for the jax one) and what a built-in
+    needs beyond its kind (the torch-form linear-ce built-ins)."""
     from tyingspec._src.core.extras import require
-    from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
+    from tyingspec._src.kinds.table import KINDS as TABLE
 
-    def torch_form(impl: Implementation, kind: str) -> bool:
-        ce = LINEAR_CE_BUILTINS.get(impl.name) if kind == "linear-ce" else None
-        return kind == "torch" or (ce is not None and ce.form == "torch")
+    def needed(impl: Implementation, kind: str) -> str | None:
+        spec = TABLE[kind]
+        own = None if spec.builtin_needs is None else spec.builtin_needs(impl.name)
+        return own or spec.needs
 
-    needs = sorted({kind for impl, kind in pairs if torch_form(impl, kind)})
-    if needs:
-        require("torch", f"--kind all (its {' and '.join(needs)} rows; --kind model and "
+    by_module: dict[str, set[str]] = {}
+    for impl, kind in pairs:
+        module = needed(impl, kind)
+        if module is not None:
+            by_module.setdefault(module, set()).add(kind)
+    for module, kinds in sorted(by_module.items()):
+        rows = sorted(kinds)
+        require(module, f"--kind all (its {' and '.join(rows)} rows; --kind model and "
                 "--kind kernel run without it)" if every_kind else
-                " and ".join(f"--kind {k}" for k in needs))
+                " and ".join(f"--kind {k}" for k in rows))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from tyingspec._src.core.options import DEFAULT_TIMEOUT, positive_int, positive_seconds
-from tyingspec._src.kinds.table import KIND_NAMES
+from tyingspec._src.kinds.table import DEFAULT_KIND, KIND_NAMES
 
 SUITE_PATH = Path(__file__).with_name("suite.py").resolve()
 SUITE_NODEID = "tyingspec"
@@ -237,7 +237,7 @@ def _options(config: pytest.Config) -> Options | None:
                          "--junitxml": config.getoption("xmlpath", None)})
     except OutputError as exc:
         raise pytest.UsageError(str(exc)) from None
-    kind = value["tyingspec_kind"] or "model"
+    kind = value["tyingspec_kind"] or DEFAULT_KIND
     precision = value["tyingspec_precision"] or "auto"
     _require_extras(adapter, kind, precision)
     profile = value["tyingspec_profile"] or ("ci" if _in_ci() else "dev")
@@ -254,17 +254,20 @@ def _require_extras(adapter: str, kind: str, precision: str) -> None:
     raised before any test runs: as test failures (exit 1, "6 failed") it would read as wrong
     gradients."""
     from tyingspec._src.core.extras import MissingExtra, require, require_run
+    from tyingspec._src.kinds.table import needs
 
     try:
-        require_run(kind, precision, flag="--tyingspec-")
-        if kind == "linear-ce" and ":" not in adapter:
-            # a built-in of the linear-ce kind can be a torch module (its numpy twins need
-            # nothing): the same rule as ``tyingspec check``
-            from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
+        # the kind's own module from its table line, without loading the kind (numpy)
+        require_run(kind, precision, flag="--tyingspec-", needs=needs(kind))
+        if ":" not in adapter:
+            # a built-in can need more than its kind (a linear-ce built-in that is a torch
+            # module): the same rule as ``tyingspec check``
+            from tyingspec._src.kinds.table import KINDS as TABLE
 
-            builtin = LINEAR_CE_BUILTINS.get(adapter)
-            if builtin is not None and builtin.form == "torch":
-                require("torch", f"the built-in {adapter} (a torch module)")
+            spec = TABLE[kind]
+            module = None if spec.builtin_needs is None else spec.builtin_needs(adapter)
+            if module is not None:
+                require(module, f"the built-in {adapter} (a {module} module)")
     except MissingExtra as exc:
         raise pytest.UsageError(f"tyingspec: {exc}") from None
 

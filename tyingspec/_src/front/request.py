@@ -27,11 +27,12 @@ __all__ = ["CheckRequest", "builtin_kind", "flagged"]
 def builtin_kind(target: str) -> str:
     """The kind ``tyingspec check TARGET`` runs without --kind: a built-in's own (the first
     that has it: model before kernel; a torch or linear-ce zoo name its zoo's), else model."""
-    if ":" in target:
-        return "model"
+    from tyingspec._src.kinds.table import DEFAULT_KIND
     from tyingspec._src.kinds.table import builtin_kind as table_kind
 
-    return table_kind(target) or "model"
+    if ":" in target:
+        return DEFAULT_KIND
+    return table_kind(target) or DEFAULT_KIND
 
 
 def flagged(spec: KindSpec, cases: list[Case], **flags: str | None) -> list[Case]:
@@ -112,7 +113,7 @@ class CheckRequest:
             spec = kind_spec(self.kind_name)
         except ValueError as exc:
             return Plan(problems=[str(exc)])
-        problems = self._option_problems()
+        problems = self._option_problems(spec)
         try:
             cases = flagged(spec, list(self.cases) if self.cases is not None else
                             spec.cases(self.seed), autocast=self.autocast, device=self.device,
@@ -129,7 +130,7 @@ class CheckRequest:
                 return Plan(notes=notes, problems=[problem])
         return Plan(cases, notes)
 
-    def _option_problems(self) -> list[str]:
+    def _option_problems(self, spec: KindSpec) -> list[str]:
         """Options wrong whatever the cases: --tokens without --targets, --padding-idx for a
         kind that takes none, a shape that is not three positive integers."""
         problems = []
@@ -141,12 +142,10 @@ class CheckRequest:
         if shape is not None and (len(shape) != 3 or not all(
                 isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
             problems.append(f"--shape takes V,d,N, three positive integers; got {shape!r}")
-        kind = self.kind_name
         if self.padding_idx is not None:
-            if kind != "model":
-                problems.append(f"--padding-idx applies to --kind model (a {kind} target "
-                                + ("declares its own padding_idx)" if kind == "torch" else
-                                   "gets the rows it scatters as they are)"))
+            if spec.no_padding_flag is not None:
+                problems.append(f"--padding-idx applies to --kind model (a {spec.name} target "
+                                + spec.no_padding_flag + ")")
             elif self.padding_idx < 0:
                 problems.append(
                     f"--padding-idx must be a row index >= 0, got {self.padding_idx}")
@@ -176,7 +175,7 @@ class CheckRequest:
         # the model once it is loaded, and takes N as its batch x sequence
         problem = None if spec.own_shape else memory_problem(
             V, d, max(N, len(self.tokens or ())), available_memory(), self.precision,
-            spec.name)
+            spec)
         if problem is not None:
             return cases, f"--shape {V},{d},{N}: {problem}; choose a smaller shape"
         cases, left_out = at_shape(cases, V, d, N)
@@ -209,15 +208,13 @@ class CheckRequest:
         if self.tokens is None or self.targets is None:
             return cases, None
         from tyingspec._src.core.cases import batch_problem
-        from tyingspec._src.front.check import IGNORE_INDEX
 
         # a kind with its own shape (a torch model's vocabulary) has its token ids checked
         # once the model is loaded (front.check.check_target)
         if not spec.own_shape:
-            # a linear-ce target may be ignore_index (-100): an ignored token
+            # a target may be the kind's ignored id (linear-ce's -100): an ignored token
             problem = batch_problem(self.tokens, self.targets, cases[0].V,
-                                    ignore_index=IGNORE_INDEX if self.kind_name == "linear-ce"
-                                    else None)
+                                    ignore_index=spec.ignore_index())
             if problem is not None:
                 return cases, f"--tokens/--targets: {problem} (case {cases[0].name})"
         return [cases[0].with_batch(np.asarray(self.tokens), np.asarray(self.targets))], None
@@ -227,19 +224,19 @@ class CheckRequest:
         naming the ``pip install``).  What is imported deeper down is caught by the CLI's
         ``main``; the API leaves it to the report (an adapter error)."""
         from tyingspec._src.core.extras import require
+        from tyingspec._src.kinds.table import kind_spec
 
         target, kind, precision = self.target, self.kind_name, self.precision
-        if kind == "torch":  # a transformers model without torch: name both extras' install
-            require("torch", "--kind torch", lambda: _target_imports(target, kind),
+        spec = kind_spec(kind)
+        if spec.needs is not None:  # a transformers model without torch: both extras at once
+            require(spec.needs, f"--kind {kind}", lambda: _target_imports(target, kind),
                     target if ":" in target else f"the built-in {target}")
         if precision == "bfloat16":
             require("ml_dtypes", "--precision bfloat16")
-        if kind == "linear-ce" and ":" not in target:
-            from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
-
-            builtin = LINEAR_CE_BUILTINS.get(target)
-            if builtin is not None and builtin.form == "torch":
-                require("torch", f"the built-in {target} (a torch module)")
+        builtin_needs = None if ":" in target or spec.builtin_needs is None else \
+            spec.builtin_needs(target)
+        if builtin_needs is not None:
+            require(builtin_needs, f"the built-in {target} (a {builtin_needs} module)")
 
 
 def _target_imports(target: str, kind: str) -> frozenset[str]:

@@ -251,8 +251,6 @@ def replay_problem(kind: str, case: Case) -> str | None:
         COMPOSITIONS,
         SHAPED_COMPOSITIONS,
         batch_problem,
-        ce_ignore_index,
-        ce_problem,
         memory_problem,
     )
     from tyingspec._src.core.options import available_memory
@@ -270,14 +268,15 @@ def replay_problem(kind: str, case: Case) -> str | None:
         return f"dtype={case.dtype}: expected float64, float32, bfloat16 or float16"
     if case.padding_idx is not None and not 0 <= case.padding_idx < case.V:
         return f"padding_idx={case.padding_idx}: no such row (expected 0 <= padding_idx < V)"
-    if case.ce and kind != "linear-ce":
+    spec = kind_spec(kind)
+    if case.ce and spec.options_problem is None:
         return f"ce={case.ce}: linear-ce options apply to --tyingspec-kind=linear-ce only"
-    if case.ce:
-        problem = ce_problem(case.ce)
+    if case.ce and spec.options_problem is not None:
+        problem = spec.options_problem(case.ce)
         if problem is not None:
             return problem
-    own = kind_spec(kind).own_shape
-    ignore = ce_ignore_index(case.ce) if kind == "linear-ce" else None
+    own = spec.own_shape
+    ignore = spec.ignore_index(case.ce)
     # an own-shape kind's V is the model's, not yet known: no id beyond it is refused here
     problem = batch_problem(case.tokens, case.targets, None if own else case.V,
                             ignore_index=ignore)

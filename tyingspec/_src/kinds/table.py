@@ -8,7 +8,11 @@ after an SGD step, and which properties apply to it.  The engine (:mod:`engine.o
 ``tyingspec check``, the properties, the pytest plugin and the kill matrix all go through this
 table; a kind's module is imported the first time the kind is asked for, so a run of one kind
 never loads another.  A new kind is its folder (``kinds/<kind>/spec.py`` and what it needs),
-one line here, and its tests.
+one line here, and its tests.  Nothing in ``front/``, ``engine/`` or ``core/`` compares a
+kind's name or imports from its folder (``tests/test_layout.py``): each asks the spec (what it
+needs installed, whether it takes ``--padding-idx`` or an ignored target, its peak memory,
+...).  A line may end ``needs <module>``: the module every run of the kind imports, read here
+without loading the kind (the spec's ``needs`` must agree).
 """
 
 from __future__ import annotations
@@ -26,19 +30,21 @@ if TYPE_CHECKING:
 #: a kind's name, as ``--kind`` spells it (the table's keys are the known ones)
 Kind = str
 
-__all__ = ["KINDS", "KIND_NAMES", "Kind", "KindSpec", "SecondCall", "builtin_kind",
-           "every_builtin", "fitting", "kind_spec", "resolve"]
+__all__ = ["DEFAULT_KIND", "KINDS", "KIND_NAMES", "Kind", "KindSpec", "SecondCall", "builtin_kind",
+           "every_builtin", "fitting", "kind_spec", "needs", "resolve"]
 
 _LINES: dict[str, str] = {
     "model": "tyingspec._src.kinds.probe.spec:MODEL",
     "kernel": "tyingspec._src.kinds.probe.spec:KERNEL",
-    "torch": "tyingspec._src.kinds.torch.spec:SPEC",
+    "torch": "tyingspec._src.kinds.torch.spec:SPEC  needs torch",
     "linear-ce": "tyingspec._src.kinds.linear_ce.spec:SPEC",
-    "jax": "tyingspec._src.kinds.jax.spec:SPEC",
-    "distributed": "tyingspec._src.kinds.distributed.spec:SPEC",
+    "jax": "tyingspec._src.kinds.jax.spec:SPEC  needs jax",
+    "distributed": "tyingspec._src.kinds.distributed.spec:SPEC  needs torch",
 }
 
 KIND_NAMES: tuple[Kind, ...] = tuple(_LINES)
+#: the kind a target runs as when none is given (``tyingspec check TARGET``): the table's first
+DEFAULT_KIND: Kind = KIND_NAMES[0]
 
 
 class _Table(Mapping[str, "KindSpec"]):
@@ -52,11 +58,12 @@ class _Table(Mapping[str, "KindSpec"]):
         if name not in self._loaded:
             from tyingspec._src.core.kind import KindSpec
 
-            module, _, attr = self._lines[name].partition(":")
+            module, _, attr = self._lines[name].split()[0].partition(":")
             spec = getattr(importlib.import_module(module), attr)
-            if not isinstance(spec, KindSpec) or spec.name != name:
+            if not isinstance(spec, KindSpec) or spec.name != name or \
+                    spec.needs != _needs_of(self._lines[name]):
                 raise TypeError(f"kinds.table: {self._lines[name]} is not the KindSpec of "
-                                f"{name!r}")
+                                f"{name!r} (or needs another module than its line says)")
             self._loaded[name] = spec
         return self._loaded[name]
 
@@ -80,6 +87,18 @@ def __getattr__(name: str) -> Any:
 
         return getattr(kind, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def needs(name: str) -> str | None:
+    """The module every run of kind ``name`` imports (its line's ``needs``, the spec's
+    ``KindSpec.needs``), read without loading the kind: the pytest plugin requires it in
+    xdist's controller, which loads no numpy."""
+    return _needs_of(_LINES[name])
+
+
+def _needs_of(line: str) -> str | None:
+    words = line.split()  # "module:attr" or "module:attr  needs <module>"
+    return words[2] if len(words) == 3 and words[1] == "needs" else None
 
 
 def fitting(fn: Callable[..., Any], kind: str) -> tuple[str | None, list[str]]:

@@ -64,4 +64,4 @@ SPEC = KindSpec(
     reference=_reference, second_call="none",
     properties=("distributed_copies_equal_at_start", "distributed_gradient_after_sync",
                 "distributed_copies_equal_after_step"),
-    builtins=_builtins, own_shape=True, signature=_signature)
+    builtins=_builtins, own_shape=True, signature=_signature, needs="torch")

@@ -51,4 +51,4 @@ SPEC = KindSpec(
     properties=("jax_tie_identity", "jax_optimizer_sees_tie_once", "jax_gradient_by_path",
                 "jax_gradient_against_forward"),
     builtins=_builtins, own_shape=True, takes_precision=True, cases=jax_cases,
-    shape_cases=shape_cases)
+    shape_cases=shape_cases, needs="jax")

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tyingspec._src.core.adapters import Returned, call_kernel, call_model
-from tyingspec._src.core.cases import Batch, kernel_paths, model_reference, released
+from tyingspec._src.core.cases import (
+    ENTRY_BYTES,
+    OVERHEAD,
+    Batch,
+    kernel_paths,
+    model_reference,
+    released,
+)
 from tyingspec._src.core.kind import Implementation, Inputs, KindSpec
 from tyingspec._src.core.paths import Paths, forward_parts
 
@@ -49,12 +56,38 @@ def _kernel_reference(batch: Batch, inputs: Inputs, precision: str,
                         inputs["vocab_size"], precision)
 
 
+def kernel_bytes(V: int, d: int, N: int, precision: str = "float64") -> int:
+    """About how many bytes a kernel check at ``V, d, N`` in ``precision`` holds at its peak:
+    the larger of its two phases.  ``e`` is a built entry's size (8, 4 or 2 bytes), ``w =
+    max(e, 4)`` that of what is computed from it (a bfloat16 E's forward, g and dE are
+    float32).  The forward, building the inputs: E, g [N, V], and the dE kept from the previous
+    case (a buffer never zeroed shows across cases).  The calls, E let go (``released``): g,
+    the copy of it handed to the kernel, the previous call's dE and this call's, the kernel's
+    own zeroed [V, d] (the built-in scatters into one) and the previous case's g, kept with its
+    paths: ``3 Vdw + 3 NVw``.  RSS from ``/usr/bin/time -v``, numpy 2, CPU, for ``tyingspec
+    check tied --kind kernel --shape V,d,N``: 1.35 GiB at 32768,2048,1024 in float32 (all seven
+    cases; this says 1.25 GiB, 7% under); 5.25 GiB in float32 and 5.23 GiB in bfloat16 at
+    128256,4096,1024 (one case; this says 7.5 GiB: the zeroed [V, d] was not resident there),
+    so at production shapes it errs high."""
+    e = ENTRY_BYTES.get(precision, 8)
+    w = max(e, 4)
+    forward = V * d * e + N * V * w + V * d * w
+    calls = 3 * V * d * w + 3 * N * V * w
+    return max(forward, calls) + OVERHEAD
+
+
 def _builtins() -> dict[str, Implementation]:
     from tyingspec._src.kinds.probe.builtins import (
         builtins,  # only a built-in name loads the zoo
     )
 
     return builtins()
+
+
+def _reset() -> None:
+    from tyingspec._src.kinds.probe.mutants import reset_state  # only a kill matrix loads them
+
+    reset_state()
 
 
 MODEL = KindSpec(
@@ -67,7 +100,7 @@ MODEL = KindSpec(
                 "relabelling_permutes_rows", "micro_batches_accumulate",
                 "loss_dW_db_right", "inputs_untouched", "same_call_same_gradient",
                 "tie_survives_a_step"),
-    builtins=_builtins)
+    builtins=_builtins, no_padding_flag=None, reference_first=True, reset=_reset)
 
 KERNEL = KindSpec(
     name="kernel", contract="f(tokens, dx, h, g, vocab_size) -> dE",
@@ -78,4 +111,5 @@ KERNEL = KindSpec(
                 "relabelling_permutes_rows", "micro_batches_accumulate",
                 "inputs_untouched", "same_call_same_gradient", "linear_in_dx",
                 "linear_in_g"),
-    builtins=_builtins)
+    builtins=_builtins, reference_first=True, peak_bytes=kernel_bytes,
+    sliced=("tokens", "dx", "h", "g"), plain_sum=True, reset=_reset)

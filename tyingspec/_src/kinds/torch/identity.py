@@ -36,6 +36,7 @@ from torch import nn
 
 from tyingspec._src.core.diagnosis import Label
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
+from tyingspec._src.core.tolerance import epsilon_of, smallest_normal
 
 Retie = Callable[[nn.Module], None]
 
@@ -478,7 +479,7 @@ def _compare(new: torch.Tensor, p0: torch.Tensor, grad: torch.Tensor, expected: 
     of a NaN is NaN), as are entries the optimizer's step left non-finite where the closed
     form is finite (an ``eps`` below the dtype's range: float16 AdamW divides 0 by 0)."""
     new, p0 = new.double(), p0.double()
-    eps = float(torch.finfo(dtype).eps)
+    eps = epsilon_of(dtype)
     notes: list[str] = []
     bad_grad = ~torch.isfinite(grad)
     if bool(bad_grad.any()):
@@ -498,7 +499,7 @@ def _compare(new: torch.Tensor, p0: torch.Tensor, grad: torch.Tensor, expected: 
                          False)
     update = (expected - p0)[keep]
     tol = (_ROUNDINGS_P * eps * p0.abs() + _ROUNDINGS_UPDATE * eps * terms)[keep] + \
-        torch.finfo(dtype).tiny
+        smallest_normal(dtype)
     diff = (new - expected)[keep]
     if bool((diff.abs() <= tol).all()):
         if not bool((update.abs() > tol).any()):

@@ -48,6 +48,14 @@ def _builtins() -> dict[str, Implementation]:
     return zoo("torch", torch_zoo, torch_zoo.TORCH_BUILTINS)
 
 
+#: The checks a quick check runs (of those the call runs beyond the rows, ``inputs["checks"]``,
+#: see ``kinds.torch.adapter.CHECKS``): a torch model's identity and optimizer checks
+#: (batch-independent, run once), its gradient by path and against the forward (which judges
+#: a model whose uses cannot be observed); not the fresh-gradient, micro-batch and
+#: training-step checks, each one or more further passes a case.  A JAX model's checks are all
+#: of the first sort, so it runs them all.
+QUICK_CHECKS = ("identity", "optimizer", "gradient", "forward")
+
 SPEC = KindSpec(
     name="torch",
     contract="make_model() -> nn.Module (a fresh one per call), or a tyingspec.TorchTarget",
@@ -58,4 +66,5 @@ SPEC = KindSpec(
                 "torch_fresh_gradient", "torch_micro_batches_accumulate"),
     builtins=_builtins, own_shape=True, takes_precision=True, cases=torch_cases,
     shape_cases=shape_cases,
-    flags=(("autocast", AUTOCAST_DTYPES), ("compile", COMPILE_BACKENDS), ("device", DEVICES)))
+    flags=(("autocast", AUTOCAST_DTYPES), ("compile", COMPILE_BACKENDS), ("device", DEVICES)),
+    needs="torch", no_padding_flag="declares its own padding_idx", quick_checks=QUICK_CHECKS)

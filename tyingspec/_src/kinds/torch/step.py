@@ -39,6 +39,7 @@ from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.cases import kernel_paths
 from tyingspec._src.core.diagnosis import diagnose
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
+from tyingspec._src.core.tolerance import epsilon_of
 from tyingspec._src.kinds.torch.batch import TorchBatch, model_device
 from tyingspec._src.kinds.torch.discover import Loss, Tie
 from tyingspec._src.kinds.torch.target import StepBatch, TorchTarget
@@ -145,7 +146,7 @@ def _scale(seen: _Seen) -> float:
     if bb == 0.0:
         return 1.0
     c = float(a @ b) / bb
-    unit = float(torch.finfo(w.dtype).eps)
+    unit = epsilon_of(w.dtype)
     ok = bool(torch.all((a - c * b).abs() <= 64 * unit * (a.abs() + abs(c) * b.abs()) + 1e-300))
     return c if ok and c > 0 else 1.0
 
@@ -281,7 +282,7 @@ def _overall_power(paths: Any, precision: str) -> bool:
     missing: each is more than its tolerance of the whole."""
     if precision not in ("bfloat16", "float16"):
         return False
-    tol = 8 * float(torch.finfo(getattr(torch, precision)).eps)
+    tol = 8 * epsilon_of(precision)
     ref_in, ref_out = paths.dE_in, np.asarray(paths.dE_out)
     size = float(np.linalg.norm(ref_in + ref_out)) or 1.0
     return min(float(np.linalg.norm(ref_in)), float(np.linalg.norm(ref_out))) > tol * size
@@ -294,7 +295,7 @@ def _overall(own: np.ndarray, paths: Any, previous: np.ndarray | None, uses: Any
     step's gradient left in, the last forward's alone, one copy per repeated token, a path's
     stray factor); None when it is within."""
     ref = paths.dE_in + np.asarray(paths.dE_out)
-    tol = 8 * float(torch.finfo(getattr(torch, precision)).eps)
+    tol = 8 * epsilon_of(precision)
     size = float(np.linalg.norm(ref)) or 1.0
 
     def off(x: np.ndarray) -> float:
@@ -480,7 +481,7 @@ def path_factors(own: np.ndarray, ids: np.ndarray, dx: np.ndarray, h: np.ndarray
     if rank < 2 or not np.all(np.isfinite(coef)):
         return None
     resid = y - X @ coef
-    unit = float(torch.finfo(getattr(torch, precision)).eps)
+    unit = epsilon_of(precision)
     if float(np.linalg.norm(resid)) > 8 * unit * float(np.linalg.norm(y)):
         return None  # not a scale: the rows' own label says what it is
     sigma2 = float(resid @ resid) / max(len(y) - 2, 1)
@@ -530,7 +531,7 @@ def _update(seen: _Seen, optimizer: Any, E: torch.Tensor) -> tuple[Any, str] | N
         return None
     moved = (seen.after - seen.before).double()
     expect = (p.detach() - seen.before).double()
-    unit = float(torch.finfo(E.dtype).eps)
+    unit = epsilon_of(E.dtype)
     scale = float(expect.abs().max()) + float(seen.before.double().abs().max()) * unit
     if float((moved - expect).abs().max()) <= 64 * unit * max(scale, 1e-300) + \
             1e-3 * float(expect.abs().max()):

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tyingspec._src.core.errors import TyingspecError
+from tyingspec._src.core.tolerance import epsilon_of
 
 __all__ = ["Uses", "observed_uses"]
 
@@ -316,7 +317,7 @@ def _function_apply(mode: _Mode, original: Any) -> Any:
                     expect = torch.nn.functional.linear(heads[0].detach().double(),
                                                         W.double())
                 scale = float(expect.abs().max()) or 1.0
-                rtol = max(1e-5, 8 * float(torch.finfo(out.dtype).eps))
+                rtol = max(1e-5, 8 * epsilon_of(out.dtype))
                 if torch.allclose(out.detach().double().reshape(expect.shape), expect,
                                   rtol=rtol, atol=rtol * scale):
                     del mode.uses.unobserved[before:]
