@@ -31,7 +31,12 @@ from torch.nn import functional as F  # noqa: E402
 
 from tyingspec._src.core.cases import build  # noqa: E402
 from tyingspec._src.engine.observe import Target, shaped  # noqa: E402
-from tyingspec._src.front.check import CaseResult, check_target, run_case  # noqa: E402
+from tyingspec._src.front.check import (  # noqa: E402
+    CaseResult,
+    CheckReport,
+    check_target,
+    run_case,
+)
 from tyingspec._src.front.report import render_case  # noqa: E402
 from tyingspec._src.kinds.linear_ce.adapter import is_torch_form, signature_problem, supported  # noqa: E402
 from tyingspec._src.kinds.linear_ce.kind import (  # noqa: E402
@@ -198,6 +203,39 @@ def test_every_target_ignored_with_mean_may_return_nan_or_zero() -> None:
         (r,), _ = in_process(spec, fn, only)
         assert r.status == "no_power", headline(r)
         assert r.diagnosis is not None and all(not f.failed for f in r.diagnosis.findings)
+
+
+
+def smoothing_ignored_raising(h: Any, E: Any, targets: Any, b: Any = None, *,
+                              label_smoothing: float = 0.0, ignore_index: int = -100,
+                              ) -> dict[str, Any]:
+    """Liger 0.2.0's two defects in numpy: ``label_smoothing`` taken and ignored, and a mean
+    that divides by the count of live tokens, raising when there is none."""
+    live = int(np.sum(np.asarray(targets) != ignore_index))
+    1 / live  # noqa: B018  (ZeroDivisionError on a batch of ignored tokens only)
+    return dict(ce_numpy(h, E, targets, b, ignore_index=ignore_index))
+
+
+def test_a_wrong_case_exits_1_beside_a_case_where_the_kernel_raised() -> None:
+    # exit 1 means a wrong gradient and nothing else: a case proving one outranks a case that
+    # raised (exit 2 alone), and that case is still reported, as the kernel's own exception
+    names = ("ce-label-smoothing", "ce-all-ignored")
+    results, _ = in_process("smoothing-ignored-raising", smoothing_ignored_raising,
+                            [c for c in CASES if c.name in names])
+    report = CheckReport("test_linear_ce_conventions:smoothing-ignored-raising", "linear-ce",
+                         0, results)
+    got = {r.case.name: r for r in results}
+    assert got["ce-label-smoothing"].status == "wrong"
+    assert report.verdict == "wrong" and report.exit_code == 1
+    assert report.diagnosis_label == "option_ignored"
+    raised = got["ce-all-ignored"]
+    assert raised.status == "adapter_error" and raised.error is not None
+    assert "raised on a batch whose every target is ignored" in raised.error
+    assert "ZeroDivisionError: division by zero at " in raised.error
+    assert f"error: {raised.error}" in report.diagnosis
+    assert "1 wrong" in report.diagnosis and "1 adapter error" in report.diagnosis
+    # without a wrong case the same error is exit 2, as before
+    assert CheckReport(report.target, "linear-ce", 0, [raised]).exit_code == 2
 
 
 def nan_everywhere(h: Any, E: Any, targets: Any, b: Any = None, *, ignore_index: int = -100,

@@ -33,6 +33,11 @@ KERNELS = Path(os.environ.get("TYINGSPEC_KERNELS",
                               Path(tempfile.gettempdir()) / "tyingspec-kernels"))
 LIGER = "liger_kernel.transformers:LigerFusedLinearCrossEntropyLoss"
 DIRECT = "liger_direct:LigerFusedLinearCrossEntropyLoss"
+UNSLOTH = "unsloth_ce:UnslothCrossEntropy"
+#: Unsloth releases before its CPU fallback (2026.10) raise on import without a GPU
+UNSLOTH_DIRECT = "unsloth_direct:UnslothCrossEntropy"
+UNSLOTH_ZOO = ("unsloth-zoo==2026.10.9",)
+CCE = "cce:CutCrossEntropy"
 #: Seconds a correct release's whole check may take under the interpreter on two cores
 #: (the issue's bound; it took 22-40 s on this 2-core VM).
 WHOLE_CHECK_SECONDS = 300
@@ -67,13 +72,17 @@ def installed(requirement: str) -> Path:
     return where
 
 
-def check(requirement: str, target: str, *args: str) -> tuple[int, str, dict[str, Any], float]:
-    """``tyingspec check target --kind linear-ce *args`` with the release on the path: exit
+def check(requirement: str, target: str, *args: str, beside: tuple[str, ...] = ()
+          ) -> tuple[int, str, dict[str, Any], float]:
+    """``tyingspec check target --kind linear-ce *args`` with the release on the path (and the
+    releases ``beside`` it: a package it imports, installed without dependencies too): exit
     status, output, the JSON report's cases by name, seconds."""
-    where = installed(requirement)
+    where = [str(installed(r)) for r in (requirement, *beside)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(where), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([*where, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with tempfile.TemporaryDirectory() as tmp:
+        # Unsloth writes the code it compiles under the working directory unless told where
+        env["UNSLOTH_COMPILE_LOCATION"] = str(Path(tmp) / "unsloth_compiled_cache")
         report = Path(tmp) / "report.json"
         start = time.monotonic()
         out = subprocess.run([sys.executable, "-m", "tyingspec", "check", target, "--kind",
@@ -126,11 +135,51 @@ def test_liger_0_5_2_returns_the_sum_for_reduction_none() -> None:
     assert "shape ()" in cases["ce-none"]["detail"] and "(23,)" in cases["ce-none"]["detail"]
 
 
-@pytest.mark.parametrize(("case", "option"), [("ce-label-smoothing", "label_smoothing=0.1"),
-                                              ("ce-sum", "reduction=sum")])
-def test_liger_0_2_0_takes_options_it_ignores(case: str, option: str) -> None:
-    # its whole check is exit 2: a batch of ignored tokens only divides by zero in it
-    code, text, cases, _ = check("liger-kernel==0.2.0", DIRECT, "--case", case)
+def test_liger_0_2_0_takes_options_it_ignores_and_raises_on_ignored_tokens_only() -> None:
+    # the whole check: a batch of ignored tokens only divides by zero in it (an adapter error
+    # on that case, reported), and the options it ignores are wrong gradients: exit 1
+    code, text, cases, _ = check("liger-kernel==0.2.0", DIRECT)
     assert code == 1, text[-4000:]
-    assert label(cases, case) == "option_ignored"  # #243
-    assert f"{option} was accepted and ignored" in cases[case]["detail"]
+    assert "verdict: wrong (option_ignored)" in text
+    for case, option in (("ce-label-smoothing", "label_smoothing=0.1"),
+                         ("ce-sum", "reduction=sum")):
+        assert label(cases, case) == "option_ignored"  # #243
+        assert f"{option} was accepted and ignored" in cases[case]["detail"]
+    raised = cases["ce-all-ignored"]
+    assert raised["status"] == "adapter_error"
+    assert "the kernel raised on a batch whose every target is ignored" in raised["error"]
+    assert "ZeroDivisionError: division by zero at " in raised["error"]
+    assert "fused_linear_cross_entropy.py" in raised["error"]
+    assert "error: adapter 'liger_direct:LigerFusedLinearCrossEntropyLoss': the kernel " \
+        "raised" in text
+
+
+def test_unsloth_2026_10_9_passes_with_no_flags_in_minutes() -> None:
+    code, text, cases, seconds = check("unsloth==2026.10.9", UNSLOTH, beside=UNSLOTH_ZOO)
+    assert code == 0, text[-4000:]
+    assert "ce-long: N=2, past two blocks of 1 (the block it declares" in text
+    assert {c["status"] for c in cases.values()} <= {"correct", "no_power"}
+    # the softcap through Unsloth's own `triton_cast = tl.cast` alias, filled
+    assert cases["ce-softcap"]["status"] == "correct"
+    assert cases["ce-logit-scale"]["status"] == "correct"
+    assert seconds < WHOLE_CHECK_SECONDS, seconds
+
+
+def test_unsloth_2026_9_1_softcaps_padded_lanes() -> None:
+    code, text, cases, _ = check("unsloth==2026.9.1", UNSLOTH_DIRECT, beside=UNSLOTH_ZOO)
+    assert code == 1, text[-4000:]
+    assert label(cases, "ce-softcap") == "padded_lanes_in_lse"  # PR #10616
+    assert "lanes 37..63" in cases["ce-softcap"]["detail"]
+    assert cases["ce-plain"]["status"] == "correct"
+
+
+def test_cut_cross_entropy_25_1_1_softcaps_padded_lanes_at_float16() -> None:
+    # its newest release: the lanes of the last 128-lane vocabulary block past V=9
+    code, text, cases, _ = check("cut-cross-entropy==25.1.1", CCE, "--case",
+                                 "ce-softcap-float16")
+    assert code == 1, text[-4000:]
+    assert label(cases, "ce-softcap-float16") == "padded_lanes_in_lse"
+    assert "119 more logits of -0.15" in cases["ce-softcap-float16"]["detail"]
+    code, text, cases, _ = check("cut-cross-entropy==25.1.1", CCE, "--case", "ce-float16")
+    assert code == 0, text[-4000:]
+    assert cases["ce-float16"]["status"] == "correct"

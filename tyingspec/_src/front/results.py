@@ -91,10 +91,10 @@ class CheckReport:
 
     @property
     def verdict(self) -> str:
+        if any(r.status == "wrong" for r in self.results):  # exit 1 whenever a case proves it
+            return "wrong"
         if self.load_error or any(r.status == "adapter_error" for r in self.results):
             return "adapter_error"
-        if any(r.status == "wrong" for r in self.results):
-            return "wrong"
         if self.results and all(r.status == "no_power" for r in self.results):
             return "no_power"
         return "correct"

@@ -35,7 +35,12 @@ from tyingspec._src.core.adapters import (
 )
 from tyingspec._src.core.tolerance import least_precise
 from tyingspec._src.kinds.linear_ce import interpreter
-from tyingspec._src.kinds.linear_ce.kind import LOW_PRECISIONS, OPTION_NAMES, REDUCTION_VALUES
+from tyingspec._src.kinds.linear_ce.kind import (
+    IGNORE_INDEX,
+    LOW_PRECISIONS,
+    OPTION_NAMES,
+    REDUCTION_VALUES,
+)
 
 
 def is_torch_form(fn: Any) -> bool:
@@ -238,8 +243,29 @@ def call_linear_ce(spec: str, fn: Callable[..., Any], inputs: Mapping[str, Any])
             "interpreted": version, "filled": list(interpreter.FILLED),
             "block_declared": None if declared is None else int(declared),
             "block_seen": seen if version and declared is None else None})
-    if is_torch_form(fn):
-        return _call_torch(spec, fn, inputs)
+    try:
+        if is_torch_form(fn):
+            return _call_torch(spec, fn, inputs)
+        return _call_numpy(spec, fn, inputs)
+    except AdapterError as exc:
+        if exc.problem != "raised an exception" or not _every_target_ignored(inputs):
+            raise
+        # a kernel defect, not a slip of the glue: say so on the case, with the kernel's own
+        # exception (the case's status stays an adapter error: no gradient came back to judge)
+        raise AdapterError(spec, "the kernel raised on a batch whose every target is ignored "
+                           "(torch's cross_entropy returns NaN for a mean over no token, 0 for "
+                           "a sum, and zero gradients; a kernel should not raise there)",
+                           got=exc.got) from exc.__cause__
+
+
+def _every_target_ignored(inputs: Mapping[str, Any]) -> bool:
+    """Whether the call's batch has no live target (every one the ignore_index)."""
+    ignore = inputs.get("options", {}).get("ignore_index", IGNORE_INDEX)
+    targets = np.asarray(inputs.get("targets", ()))
+    return targets.size > 0 and bool(np.all(targets == ignore))
+
+
+def _call_numpy(spec: str, fn: Callable[..., Any], inputs: Mapping[str, Any]) -> Returned:
     takes = supported(fn)
     for name, key in (("bias", "b"), ("grad_output", "grad_output")):
         if inputs[key] is not None and name not in takes:  # the cases needing it are left out

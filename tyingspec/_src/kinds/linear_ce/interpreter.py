@@ -7,13 +7,15 @@ author's CI checks a kernel; :func:`before_import` switches it on in the worker 
 before the target is imported, when triton is installed, no GPU is there and the user has not
 said otherwise (their own ``TRITON_INTERPRET`` is kept, either way).
 
-The interpreter of triton 3.8 and 3.9 lacks two things real kernels use (found on Liger-Kernel's
+The interpreter of triton 3.8 and 3.9 lacks three things real kernels use (found on Liger-Kernel's
 cross-entropy, 2026): a Python float argument stays a Python float (compiled Triton passes it
 as an fp32 scalar, so Liger's ``softcap.to(tl.float32)`` raises ``'float' object has no
 attribute 'to'``), and libdevice functions (``tanh``, ``log1p``: extern calls into CUDA's
 libdevice, or, through ``triton.language.extra.libdevice``, stubs the compiler swaps for its
-backend's) are not implemented.  :func:`install` fills both, each only where the installed
-triton still lacks it, and never changes a kernel's arithmetic: the float becomes the fp32
+backend's) are not implemented; and a kernel module's own name for a ``triton.language``
+builtin (Unsloth's ``triton_cast = tl.cast``, 2026) is not given the interpreter's semantic
+as ``tl.cast`` is.  :func:`install` fills the three, each only where the installed triton
+still lacks it, and never changes a kernel's arithmetic: the float becomes the fp32
 scalar a compiled launch passes, and a libdevice function is the same function computed by
 numpy in the same dtype (fp32 in fp32, fp64 in fp64).  What it cannot fill (inline assembly,
 a libdevice function not in :data:`LIBDEVICE`) stays an error, which :func:`gap` names with
@@ -126,6 +128,9 @@ def install() -> list[str]:
     if _fill_extern_elementwise(interp):
         FILLED.append(f"{len(LIBDEVICE)} libdevice functions (tanh, log1p, exp, ...) in "
                       "numpy, in the argument's dtype")
+    if _fill_builtin_aliases(interp):
+        FILLED.append("a kernel module's own name for a triton.language builtin (Unsloth's "
+                      "`triton_cast = tl.cast`) runs as the builtin itself does")
     _record_blocks(interp)
     return FILLED
 
@@ -200,6 +205,60 @@ def _fill_extern_elementwise(interp: Any) -> bool:
 
     interp._patch_lang = patch_lang
     return True
+
+
+def _fill_builtin_aliases(interp: Any) -> bool:
+    """A kernel module's global bound to a ``triton.language`` builtin (``triton_cast =
+    tl.cast``, taken at import) given the interpreter's semantic for the kernel's run, as
+    ``_patch_lang`` gives ``tl.cast`` itself: the interpreter patches the ``triton.language``
+    modules a kernel sees, not the kernel module's own names for their functions, and such a
+    name raises "Did you forget to add @triton.jit ?".  False when the interpreter already
+    patches such a name (nothing to fill) or has no ``_patch_lang``."""
+    original_patch = getattr(interp, "_patch_lang", None)
+    if original_patch is None or not _alias_left_raw(interp, original_patch):
+        return False
+    is_builtin = importlib.import_module("triton.language").core.is_builtin
+
+    def patch_lang(fn: Any) -> Any:
+        scope = original_patch(fn)
+        module = sys.modules.get(getattr(fn, "__module__", "") or "")
+        names: dict[str, Any] = getattr(fn, "__globals__", {})
+        if module is None or getattr(module, "__dict__", None) is not names:
+            return scope
+        for name, value in list(names.items()):
+            owner = getattr(value, "__module__", None) or ""
+            # libdevice names are _patch_libdevice's (a stub takes its backend's function)
+            if owner.startswith("triton.language") and owner != _STUBS and \
+                    owner not in _BACKENDS and is_builtin(value):
+                scope.set_attr(module, name, _with_semantic(interp, value))
+        return scope
+
+    interp._patch_lang = patch_lang
+    return True
+
+
+def _alias_left_raw(interp: Any, patch: Callable[[Any], Any]) -> bool:
+    """Whether ``patch`` (the interpreter's ``_patch_lang``) leaves a module's alias of
+    ``tl.cast`` the raw builtin, tried on a function of a throwaway module."""
+    import types
+
+    tl = importlib.import_module("triton.language")
+    raw = tl.cast
+    module = types.ModuleType("_tyingspec_alias_probe")
+    module.__dict__.update(tl=tl, alias=raw)
+    fn = types.FunctionType((lambda: None).__code__, module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        scope = patch(fn)
+        try:
+            # tl.cast itself patched for the run, the module's own name for it left raw
+            return tl.cast is not raw and module.__dict__["alias"] is raw
+        finally:
+            scope.restore()
+    except Exception:  # noqa: BLE001  (another interpreter: its gap is named when hit)
+        return False
+    finally:
+        del sys.modules[module.__name__]
 
 
 def _raises_not_implemented(builder: Any) -> bool:
