@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import Scratch
-from test_report_schema import assert_valid
+from report_schemas import assert_valid
 
 import tyingspec
 from tyingspec._src.core.cases import standard_cases

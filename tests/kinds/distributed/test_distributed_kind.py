@@ -264,7 +264,7 @@ def test_the_cli_exits_2_naming_the_rank_and_leaves_nothing_behind(tmp_path: Pat
 
 def test_a_check_writes_a_valid_json_report_with_the_label(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from test_report_schema import assert_valid
+    from report_schemas import assert_valid
 
     out = tmp_path / "report.json"
     assert main(["check", "gpt-pp2-averaged", "--kind", "distributed", "--json", str(out)]) \

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_report_schema import assert_valid
+from report_schemas import assert_valid
 
 from tyingspec._src.front.check import check_target
 from tyingspec._src.front.cli import main
