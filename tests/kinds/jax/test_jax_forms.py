@@ -249,7 +249,13 @@ def test_each_real_form_is_checked_and_each_bug_gets_the_torch_kinds_label(
     tie"), the donating step raised "Array has been deleted", ``stop_gradient`` on the
     lookup was ``input_path_wrong`` or "found no tie", the copied Dense head "found no
     tie", the stale ``TrainState`` ``unknown``."""
-    target = load(f"{HERE}:{attr}", "jax", isolate=False)
+    assert_one_case_label(f"{HERE}:{attr}", label)
+
+
+def assert_one_case_label(spec: str, label: str) -> None:
+    """``spec``'s label on the standard ``repeated-tokens`` case, in-process; a correct one
+    with no failed finding."""
+    target = load(spec, "jax", isolate=False)
     case = next(c for c in standard_cases(0) if c.name == "repeated-tokens")
     o = observe(target, own_case(target, case))
     assert o.label == label, o.diagnosis.headline()

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import Scratch
-from test_report_schema import assert_valid
+from report_schemas import assert_valid
 
 from tyingspec import standard_cases
 from tyingspec._src.engine.observe import load, observe, own_case
@@ -104,6 +104,41 @@ def _describe(spec: str, obj: object) -> dict[str, object]:
     tie = call_jax(spec, obj, {"mode": "describe"}).evidence["tie"]
     assert isinstance(tie, dict)
     return tie
+
+
+def _output_dataclass_model() -> object:
+    """A Linen model returning its logits in an output dataclass (as DeepMind gemma's
+    ``Transformer`` returns ``Output(logits=...)``)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from flax import struct
+
+    from tyingspec._src.kinds.jax.target import JaxTarget
+
+    @struct.dataclass
+    class Output:
+        logits: jax.Array
+        cache: None = None
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens: jax.Array) -> Output:
+            emb = nn.Embed(37, 8)
+            x = emb(tokens)
+            return Output(logits=emb.attend(x + nn.Dense(8)(jnp.tanh(x))))
+
+    m = LM()
+    return JaxTarget(module=m, params=lambda: m.init(jax.random.PRNGKey(0),
+                                                     jnp.zeros((2, 8), jnp.int32)))
+
+
+def test_a_model_returning_an_output_with_logits_is_read_by_its_logits() -> None:
+    """Before: exit 2, "the loss is not a floating scalar ... float32[2,8,37]" (gemma's
+    ``Output``)."""
+    tie = _describe("output-dataclass", _output_dataclass_model())
+    assert (tie["embedding"], tie["how"], tie["vocab"]) == ("params/Embed_0/embedding",
+                                                            "one leaf", 37)
 
 
 @pytest.mark.slow
@@ -344,3 +379,27 @@ def test_a_correct_float32_model_on_a_batch_it_fits_passes_the_forward_check() -
     (f,) = [f for f in out.findings if f.check == "gradient against the forward"]
     assert not f.failed, f.line()
     assert "no more than float32's rounding" in f.detail, f.detail
+
+
+def test_a_worker_compiles_cheaply_unless_the_user_set_the_flag(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's XLA flags: each of ``CHEAP_COMPILES`` the user's ``XLA_FLAGS`` does not
+    set, added before the user's (which are kept); nothing outside a worker, nothing once the
+    backend has started (XLA would not read them)."""
+    from jax._src import xla_bridge
+
+    from tyingspec._src.kinds.jax import adapter
+
+    user = "--xla_backend_optimization_level=2 --xla_dump_to=/tmp/x"
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", user)
+    monkeypatch.delenv("TYINGSPEC_CALL_TIMEOUT", raising=False)
+    adapter._cheap_compiles()
+    assert os.environ["XLA_FLAGS"] == user  # the user's own process: untouched
+    monkeypatch.setenv("TYINGSPEC_CALL_TIMEOUT", "120")
+    adapter._cheap_compiles()
+    assert os.environ["XLA_FLAGS"] == f"--xla_llvm_disable_expensive_passes=true {user}"
+    monkeypatch.setenv("XLA_FLAGS", user)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    adapter._cheap_compiles()
+    assert os.environ["XLA_FLAGS"] == user

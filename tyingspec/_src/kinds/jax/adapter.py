@@ -12,6 +12,7 @@ loss, through the target's own ``custom_vjp`` backwards: the gradient that train
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, replace
 from typing import Any, TypeVar
@@ -40,6 +41,7 @@ from tyingspec._src.kinds.jax.discover import (
     leaf,
 )
 from tyingspec._src.kinds.jax.setting import parse
+from tyingspec._src.kinds.jax.split import f64 as _f64
 
 _T = TypeVar("_T")
 
@@ -94,9 +96,35 @@ def _x64() -> None:
     jax.config.update("jax_enable_x64", True)  # type: ignore[no-untyped-call]
 
 
+#: XLA's CPU backend without LLVM's optimisations: compiling is most of a check of a small
+#: model (a check compiles its loss, split, float64 forward and step per batch shape and
+#: dtype; ``docs/speed.md`` has what these flags saved).  They change how fast the code
+#: runs, not what it computes (XLA's CPU fast math is off, so no level reassociates floats);
+#: the jax tests have always run under them.
+CHEAP_COMPILES = ("--xla_backend_optimization_level=0",
+                  "--xla_llvm_disable_expensive_passes=true")
+
+
+def _cheap_compiles() -> None:
+    """:data:`CHEAP_COMPILES` in ``XLA_FLAGS``, each the user has not set, in a worker whose
+    JAX backend has not started yet (XLA reads the flags then); never in the user's own
+    process (an in-process check, the plugin's), where they would outlive the check."""
+    if "TYINGSPEC_CALL_TIMEOUT" not in os.environ:  # set for a worker only (isolation.launch)
+        return
+    from jax._src import xla_bridge
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)  # private: may go
+    if started is None or started():
+        return
+    user = os.environ.get("XLA_FLAGS", "")
+    ours = [f for f in CHEAP_COMPILES if f.split("=")[0] not in user]
+    os.environ["XLA_FLAGS"] = " ".join([*ours, user]).strip()
+
+
 def call_jax(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     """Describe the model (``inputs["mode"] == "describe"``) or observe it on a batch; JAX's
     float64 switch is as it was afterwards (see :mod:`core.process_state`)."""
+    _cheap_compiles()
     with jax_state_kept():
         return _call(spec, fn, inputs)
 
@@ -127,9 +155,10 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     # of a stale table changes it by), in the table's own dtype (what the optimizer and the
     # checkpoints hold).
     cut = (slice(target.batch_size or PLACEHOLDER[0]), slice(target.seq_len or PLACEHOLDER[1]))
+    t_cut, y_cut = (jnp.asarray(np.asarray(x)[cut]) for x in (t, y))  # numpy: no compile
     for group in ("optimizer", "identity"):
         if group in checks:
-            findings += _structural(spec, form, tie, group, t[cut], y[cut], precision, tr)
+            findings += _structural(spec, form, tie, group, t_cut, y_cut, precision, tr)
     if setting.table and precision == "auto" and setting.table != tie.dtype:
         form, tie, tr, refused = _memo(
             form, ("table in", setting.table, _shape(t, y)),
@@ -223,9 +252,6 @@ def _table_in(spec: str, form: Form, tie: Tie, tr: split.Traced, dtype: str, t: 
         f"the loss does not take the table in {dtype} ({'; '.join(tried)}): this case ran "
         f"it in {tie.dtype}")]
 
-
-def _f64(x: Any) -> np.ndarray:
-    return np.asarray(jnp.asarray(x).astype(jnp.float64), dtype=np.float64).copy()
 
 
 def _structural(spec: str, form: Form, tie: Tie, group: str, t: Any, y: Any,

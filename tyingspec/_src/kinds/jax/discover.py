@@ -110,6 +110,9 @@ def _takes_targets(fn: Any) -> bool:
 
 
 def _scalar(out: Any, targets: Any, takes_targets: bool) -> Any:
+    if not isinstance(out, tuple) and hasattr(out, "logits"):
+        # an output dataclass (DeepMind gemma's ``Output``, a transformers ``ModelOutput``)
+        out = out.logits
     if isinstance(out, tuple):
         # (logits, loss) as nanoGPT-style models return with targets, (logits, cache) without
         out = out[-1] if takes_targets else out[0]

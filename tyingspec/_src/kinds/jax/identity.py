@@ -37,6 +37,7 @@ from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
 from tyingspec._src.core.tolerance import unit_of
 from tyingspec._src.kinds.jax import split
 from tyingspec._src.kinds.jax.discover import Form, Tie, discover, leaf
+from tyingspec._src.kinds.jax.split import f64 as _f64
 
 _ONCE = ("the tied table is one leaf of the tree the optimizer is given, with one state slot "
          "per moment, and one step moves it by exactly one update")
@@ -52,9 +53,6 @@ _LR = 0.1
 def _raised(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
-
-def _f64(x: Any) -> np.ndarray:
-    return np.asarray(jnp.asarray(x).astype(jnp.float64), dtype=np.float64)
 
 
 def _unit(tie: Tie) -> float:

@@ -360,18 +360,22 @@ def _positions(ids: Any) -> bool:
 
 
 def survey(tr: Traced, i: int, transposed: bool = False) -> Survey:
-    """How leaf ``i`` is used (abstractly evaluated: no arithmetic on the parameters runs;
-    what depends on the batch alone is computed, so lookup indices are known values);
+    """How leaf ``i`` is used (abstractly evaluated: no arithmetic on the parameters or the
+    batch runs; what depends on neither is computed, so position indices are known values);
     ``transposed``: the leaf read as ``[d, V]`` (a ``Dense(d, V)`` kernel as a head)."""
     rec = Recorder()
+    n = len(tr.leaves)
 
     def run(*xs: Any) -> Any:
-        args = list(xs)
+        args = list(xs[:n])
         args[i] = Tied(xs[i], xs[i], transposed)
-        return tr.run(args, rec)  # the batch concrete: lookup indices are known values
+        return tr.run(args, rec, xs[n:])
 
+    # the batch abstract too: indices the model computes without it (a position table's
+    # ``arange(T)``) are known values, and those it reads from the tokens are not computed (the
+    # tokens' arithmetic, run eagerly, compiled a program per operation and batch shape)
     with jax.ensure_compile_time_eval():
-        jax.eval_shape(run, *tr.leaves)
+        jax.eval_shape(run, *tr.leaves, *tr.batch)
     return Survey(len(rec.lookups), len(rec.heads), tuple(rec.other), tuple(rec.casts),
                   any(_positions(u["ids"]) for u in rec.lookups), tuple(rec.slices))
 
@@ -467,8 +471,9 @@ def observe(tr: Traced, lookup: int, head: int, batch: Sequence[Any] = ()) -> Ob
     if key not in tr.observers:
         tr.observers[key] = _observer(tr, lookup, head, E_in, E_out, t, y)
     fn, shapes, rec = tr.observers[key]
-    probes = {"x": [jnp.zeros(u["shape"], u["dtype"]) for u in shapes.lookups],
-              "g": [jnp.zeros(u["shape"], u["dtype"]) for u in shapes.heads]}
+    # numpy's zeros: JAX's compile a broadcast per shape
+    probes = {"x": [np.zeros(u["shape"], u["dtype"]) for u in shapes.lookups],
+              "g": [np.zeros(u["shape"], u["dtype"]) for u in shapes.heads]}
     (loss, (hs, idss)), (g_in, g_out, g_probe) = fn(E_in, E_out, probes, t, y)
     V, d = np.shape(E_in)
     problem = None
@@ -479,16 +484,16 @@ def observe(tr: Traced, lookup: int, head: int, batch: Sequence[Any] = ()) -> Ob
         problem = "the split found no lookup or no head"
     ids = np.concatenate([np.asarray(i).reshape(-1) for i in idss]
                          or [np.zeros(0, np.int64)]).astype(np.int64)
-    dx = np.concatenate([_f64(x).reshape(-1, d) for x in g_probe["x"]] or
+    dx = np.concatenate([f64(x).reshape(-1, d) for x in g_probe["x"]] or
                         [np.zeros((0, d))])
     hh, gg = [], []
     for u, h, g in zip(rec.heads, hs, g_probe["g"]):
-        hh.append(np.moveaxis(_f64(h), u["hc"], -1).reshape(-1, d))
-        gv = _f64(g)
+        hh.append(np.moveaxis(f64(h), u["hc"], -1).reshape(-1, d))
+        gv = f64(g)
         gg.append((gv if u["side"] == 1 else np.moveaxis(gv, 0, -1)).reshape(-1, V))
     h_all = np.concatenate(hh) if hh else np.zeros((0, d))
     g_all = np.concatenate(gg) if gg else np.zeros((0, V))
-    dE_in, dE_out = _f64(g_in), _f64(g_out)
+    dE_in, dE_out = f64(g_in), f64(g_out)
     if problem is None and ids.size != dx.shape[0]:
         problem = "the lookups' indices and outputs do not pair up row by row"
     if problem is None:
@@ -532,6 +537,8 @@ def least_precise(tr: Traced) -> str:
     return least_precise_of(found)
 
 
-def _f64(x: Any) -> np.ndarray:
-    # float64 is enabled in the worker (see kinds.jax.adapter), so this is exact from bfloat16
-    return np.asarray(jnp.asarray(x).astype(jnp.float64), dtype=np.float64).copy()
+def f64(x: Any) -> np.ndarray:
+    """``x`` as a float64 numpy copy, converted by numpy (exact from bfloat16, which numpy
+    holds as ml_dtypes' type): a conversion by JAX compiles a program per shape and dtype,
+    twenty of them a check."""
+    return np.asarray(x).astype(np.float64)
