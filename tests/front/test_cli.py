@@ -93,13 +93,15 @@ def test_replay_line_reproduces_the_shrunk_failure(capsys: pytest.CaptureFixture
     assert re.search(r"N=2 ", out2)
 
 
+#: adapters that fail in every case (a transposed dE would be a wrong gradient, exit 1, in a
+#: case where V == d: a wrong case outranks an adapter error)
 BAD_ADAPTERS = {
     "raises": ("def f(E, W, b, tokens, targets, *, res, s_in):\n"
                "    raise RuntimeError('kernel launch failed')\n",
                "RuntimeError: kernel launch failed"),
     "shape": ("import numpy as np\n"
               "def f(E, W, b, tokens, targets, *, res, s_in):\n"
-              "    return {'loss': 0.0, 'dE': np.zeros((E.shape[1], E.shape[0])), "
+              "    return {'loss': 0.0, 'dE': np.zeros((E.shape[0], E.shape[1] + 1)), "
               "'dW': np.zeros_like(W), 'db': None if b is None else np.zeros_like(b)}\n",
               "wrong shape"),
     "nan": ("import numpy as np\n"
