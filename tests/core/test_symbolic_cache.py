@@ -80,3 +80,33 @@ def test_the_files_name_changes_with_what_derives_them() -> None:
     h = hashlib.sha256(Path(symbolic.__file__).read_bytes())
     h.update(sympy.__version__.encode())
     assert symbolic._digest() == h.hexdigest()[:16]
+
+
+def test_a_process_that_loads_saved_sources_does_not_import_sympy(fresh: Path) -> None:
+    # issue 53: sympy's import (a quarter of a CPU-second) is paid only to derive
+    import os
+    import subprocess
+    import sys
+
+    for V, d, bias in ((2, 2, True), (3, 1, False)):
+        symbolic.compiled(V, d, bias)  # saved here, as by a first run
+    code = ("import sys\nfrom tyingspec._src.core import symbolic\n"
+            "fns = [symbolic.compiled(2, 2, True), symbolic.compiled(3, 1, False)]\n"
+            "print('sympy' in sys.modules)\n")
+    root = str(Path(symbolic.__file__).resolve().parents[3])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, symbolic.CACHE_ENV: str(fresh),
+                              "PYTHONPATH": root}, check=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("V,d,bias", [(1, 1, False), (2, 2, True), (4, 3, True)])
+def test_a_saved_source_without_sympy_gives_the_derived_numbers(
+        fresh: Path, V: int, d: int, bias: bool) -> None:
+    derived = symbolic.compiled(V, d, bias)
+    (saved,) = fresh.glob(f"*-{V}x{d}{'-bias' if bias else ''}.py")
+    code = compile(saved.read_text(), str(saved), "exec")
+    namespace = symbolic._saved_namespace(code)
+    assert "tanh" in namespace and namespace["tanh"] is np.tanh  # numpy's, not sympy's table
+    exec(code, namespace)
+    assert _values(namespace["_lambdifygenerated"], V, d, bias) == _values(derived, V, d, bias)

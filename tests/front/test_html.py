@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -15,7 +16,14 @@ from conftest import Scratch
 
 from tyingspec._src.front.check import check_target
 from tyingspec._src.front.cli import main
-from tyingspec._src.front.html import COLOURS, RowProfile, write
+from tyingspec._src.front.html import (
+    COLOURS,
+    MOST_DRAWN,
+    PNG_DPI,
+    RowProfile,
+    png_layout,
+    write,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -102,7 +110,73 @@ def test_the_command_writes_the_picture_and_says_where(
         assert "report.png not drawn: matplotlib is not installed" in text
         assert not (tmp_path / "report.png").exists()
     else:
+        assert f"rows drawn: {tmp_path / 'report.png'}" in text
         assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_png_is_left_out_with_a_note(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # whether or not matplotlib is installed here: None in sys.modules makes its import fail
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "report.html"
+    assert main(["check", "output-path-only", "--case", "absent-tokens", "--html", str(out),
+                 "-q"]) == 1
+    text = capsys.readouterr().out
+    assert f"rows drawn: {out}" in text and out.exists()
+    assert "report.png not drawn: matplotlib is not installed" in text
+    assert "pip install" in text  # the note says how to get it
+    assert not (tmp_path / "report.png").exists()
+
+
+def _png_colour(image: np.ndarray, box: tuple[float, ...], bar: float, bars: int,
+                height: float = 0.5) -> str:
+    """The colour of a PNG read back, in a track's ``box`` (figure fractions, y up as in
+    matplotlib) at the centre of bar ``bar`` of ``bars``, ``height`` of the way up the box."""
+    left, bottom, width, tall = box
+    x, y = left + (bar + 0.5) / bars * width, bottom + height * tall
+    h, w = image.shape[:2]
+    px = image[int((1.0 - y) * h), int(x * w)]
+    rgb = np.round(np.asarray(px[:3], dtype=np.float64) * 255).astype(int)
+    return "#" + "".join(f"{c:02x}" for c in rgb)
+
+
+@pytest.mark.parametrize("mutant", ["duplicates-buffered", "output-path-only"])
+def test_the_png_draws_the_diagnosis_wrong_rows_wrong(tmp_path: Path, mutant: str) -> None:
+    pytest.importorskip("matplotlib")  # the dev extra installs it: CI runs this
+    from matplotlib.image import imread
+
+    report = check_target(mutant, "model", 0, keep_rows=True)
+    out = tmp_path / "rows.html"
+    assert f"rows drawn: {tmp_path / 'rows.png'}" in write(report, out)
+    image = imread(tmp_path / "rows.png")
+    drawn = [r for r in report.results if isinstance(r.rows, RowProfile)]
+    size, layout = png_layout(len(drawn))
+    assert image.shape[:2] == (round(size[1] * PNG_DPI), round(size[0] * PNG_DPI))
+    some_wrong = False
+    for r, boxes in zip(drawn, layout):
+        assert r.diagnosis is not None and isinstance(r.rows, RowProfile)
+        V = r.rows.V
+        assert V <= MOST_DRAWN  # one bar per row: bar i is row i
+        wrong = {int(x) for x in r.diagnosis.wrong_rows}
+        some_wrong |= bool(wrong)
+
+        def at(track: str, row: int, height: float = 0.5, *, boxes: dict[str, tuple[
+                float, ...]] = boxes, V: int = V) -> str:
+            return _png_colour(image, boxes[track], row, V, height)
+
+        for row in range(V):
+            # a red mark above exactly the wrong rows; the strip coloured by the row's class;
+            # the error bar red at the wrong rows (which stand above the bound), at its foot
+            assert at("marks", row) == (COLOURS["wrong"] if row in wrong else "#ffffff"), \
+                (r.case.name, row)
+            assert at("rows", row) == COLOURS[r.rows.row_class(row)], (r.case.name, row)
+            if row in wrong:
+                assert at("error", row, 0.02) == COLOURS["wrong"], (r.case.name, row)
+            elif r.rows.error[row] > 10.0 ** -2:  # a bar tall enough to show at its foot
+                assert at("error", row, 0.02) == COLOURS[r.rows.row_class(row)], (r.case.name,
+                                                                                    row)
+    assert some_wrong  # the mutant's bug was drawn
 
 
 def test_html_needs_a_target(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

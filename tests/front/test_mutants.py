@@ -187,8 +187,10 @@ def test_the_matrix_report_is_builtin_types_and_names_the_smallest_killing_batch
     parser = ArgumentParser()
     configure_parser(parser)
     out = tmp_path / "m.json"
+    # --full: the cell below is not the row's first kill; --jobs 1: no pool for two rows
     code = run(parser.parse_args(["--kind", "model", "--max-examples", "10", "--only",
-                                  "duplicates-buffered", "--only", "tied", "--json", str(out)]))
+                                  "duplicates-buffered", "--only", "tied", "--json", str(out),
+                                  "--full", "--jobs", "1"]))
     text = capsys.readouterr().out
     assert code == 0 and "mutation score: 1/1 = 100.0%" in text
     assert "OK: every mutant killed, every correct implementation passes" in text

@@ -18,16 +18,23 @@ and sympy's version, so a changed derivation or sympy derives afresh.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import hashlib
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import CodeType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import sympy as sp
+
+# sympy loads only to derive: a process whose shapes are all saved (every run after the first,
+# the plugin's and ``assert_correct``'s included) runs the saved numpy source without it
+# (its import is 0.24 CPU-s here, issue 53).
+if TYPE_CHECKING:
+    import sympy as sp
 
 from tyingspec._src.core.paths import Array, Paths, flatten_batch, forward_parts, model_terms
 
@@ -36,6 +43,8 @@ MAX_SYMBOLIC_ENTRIES = 12
 
 
 def _matrix(name: str, rows: int, cols: int) -> sp.Matrix:
+    import sympy as sp
+
     return sp.Matrix(rows, cols, lambda i, j: sp.Symbol(f"{name}_{i}_{j}", real=True))
 
 
@@ -59,8 +68,20 @@ def cache_dir() -> Path | None:
 def _digest() -> str:
     """What a saved source was derived by: this module's text and sympy's version."""
     h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update(sp.__version__.encode())
+    h.update(_sympy_version().encode())
     return h.hexdigest()[:16]
+
+
+def _sympy_version() -> str:
+    """sympy's version from its installed metadata, without importing it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sympy")
+    except metadata.PackageNotFoundError:  # sympy on the path without its metadata
+        import sympy
+
+        return str(sympy.__version__)
 
 
 @functools.cache
@@ -74,8 +95,9 @@ def compiled(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
         where / f"{_digest()}-{V}x{d}{'-bias' if has_bias else ''}.py"
     if path is not None and path.is_file():
         try:
-            namespace = dict(_numpy_namespace())
-            exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), namespace)
+            code = compile(path.read_text(encoding="utf-8"), str(path), "exec")
+            namespace = _saved_namespace(code)
+            exec(code, namespace)
             fn: Callable[..., tuple[Any, ...]] = namespace["_lambdifygenerated"]
             return fn
         except Exception:  # noqa: BLE001 - a damaged file: derive, and save over it
@@ -95,7 +117,27 @@ def compiled(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
 @functools.cache
 def _numpy_namespace() -> dict[str, Any]:
     """The names sympy's numpy printer's code runs with (``exp``, ``log``, ``tanh``, ...)."""
+    import sympy as sp
+
     return dict(sp.lambdify([], 0, modules="numpy").__globals__)
+
+
+def _names(code: CodeType) -> Iterator[str]:
+    """Every global or attribute name ``code`` and the functions in it use."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            yield from _names(const)
+
+
+def _saved_namespace(code: CodeType) -> dict[str, Any]:
+    """What a saved source runs with: numpy's functions of the names it uses (sympy's numpy
+    printer writes numpy's names, ``tanh``, ``exp``, ``log``: the namespace above takes them
+    from ``numpy``), or, for a name numpy lacks, sympy's own namespace."""
+    namespace = {n: getattr(np, n) for n in set(_names(code)) if hasattr(np, n)}
+    if set(_names(code)) - namespace.keys() - set(dir(builtins)) - {"_lambdifygenerated"}:
+        return dict(_numpy_namespace())
+    return namespace
 
 
 def derived(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
@@ -105,6 +147,8 @@ def derived(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
     The one-hot symbols ``p`` (token) and ``y`` (target) may be fed arrays of length N: the
     function then evaluates every position at once and the batch mean is a sum over that axis.
     """
+    import sympy as sp
+
     E_in = _matrix("Ein", V, d)
     E_out = _matrix("Eout", V, d)
     W = _matrix("W", d, d)

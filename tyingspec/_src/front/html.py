@@ -21,7 +21,7 @@ import html
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -309,36 +309,107 @@ def write(report: CheckReport, path: str | Path) -> list[str]:
     return lines + [f"rows drawn: {png}"]
 
 
+#: The PNG's geometry, in inches (fixed, not ``tight_layout``: a row's pixel column follows
+#: from :func:`png_layout` alone, so a reader of the file can find each row).
+PNG_DPI = 100
+_PNG_W, _PNG_LEFT, _PNG_RIGHT = 10.0, 1.3, 0.3
+#: Each case's tracks top to bottom, with their heights: the marks above the strip, the strip
+#: of row classes, the error track and the two paths' tracks.
+_PNG_TRACKS = (("marks", 0.08), ("rows", 0.16), ("error", 1.2), ("input", 0.55),
+               ("output", 0.55))
+_PNG_TITLE, _PNG_GAP, _PNG_FOOT = 0.3, 0.1, 0.45
+
+
+Box = tuple[float, float, float, float]  # (left, bottom, width, height), figure fractions
+
+
+def png_layout(cases: int) -> tuple[tuple[float, float], list[dict[str, Box]]]:
+    """The PNG's size in inches and, for each case, each track's box ``(left, bottom, width,
+    height)`` in figure fractions (matplotlib's ``add_axes``).  Each track's x axis runs from
+    -0.5 to ``bars - 0.5``: bar ``i`` (row ``i``, or bin ``i`` past :data:`MOST_DRAWN` rows,
+    as in the SVG) is centred at ``left + (i + 0.5) / bars * width``."""
+    panel = _PNG_TITLE + sum(h + _PNG_GAP for _, h in _PNG_TRACKS)
+    height = cases * panel + _PNG_FOOT
+    left, width = _PNG_LEFT / _PNG_W, (_PNG_W - _PNG_LEFT - _PNG_RIGHT) / _PNG_W
+    boxes = []
+    top = height
+    for _ in range(cases):
+        top -= _PNG_TITLE
+        box: dict[str, Box] = {}
+        for name, h in _PNG_TRACKS:
+            box[name] = (left, (top - h) / height, width, h / height)
+            top -= h + _PNG_GAP
+        boxes.append(box)
+    return (_PNG_W, height), boxes
+
+
 def _png(results: list[CaseResult], path: Path) -> None:
+    """The rows of each case as the SVG draws them (:func:`case_svg`), in a PNG: the marks over
+    the wrong rows, the strip of row classes, the error track (wrong rows red) and each path's
+    track, on log scales with the bound dashed."""
     import os
 
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(10, 1.9 * len(results) + 0.4),
-                             squeeze=False)
-    for ax, r in zip(axes[:, 0], results):
-        p = r.rows
-        assert isinstance(p, RowProfile)
-        rows = np.arange(p.V)
-        colours = [COLOURS["wrong"] if int(i) in p.wrong else COLOURS[p.row_class(int(i))]
-                   for i in rows]
-        ax.bar(rows, np.maximum(p.error, 10.0 ** _FLOOR), width=1.0, color=colours,
-               bottom=0)
-        ax.set_yscale("log")
-        ax.axhline(1.0, color=COLOURS["wrong"], ls="--", lw=0.8)
-        ax.set_xlim(-0.5, p.V - 0.5)
-        ax.set_ylabel("error / bound", fontsize=8)
-        ax.set_title(f"case {r.case.name}: {_HEAD[r.status]}"
-                     + (f" ({r.diagnosis.label})" if r.diagnosis is not None else ""),
-                     fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("row of dE (grey absent, blue present, orange repeated, "
-                           "red wrong)", fontsize=8)
-    fig.tight_layout()
-    # written beside the target and renamed over it: a failed write leaves the old one whole
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    size, layout = png_layout(len(results))
+    fig = plt.figure(figsize=size, dpi=PNG_DPI)
     try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
+        for r, boxes in zip(results, layout):
+            assert isinstance(r.rows, RowProfile)
+            _png_case(fig, r, _bars(r.rows), boxes)
+        fig.text(_PNG_LEFT / _PNG_W, 0.15 * _PNG_FOOT / size[1],
+                 "row of dE, left to right: grey absent, blue present, orange repeated; "
+                 "red: wrong (marked above)", fontsize=8)
+        # written beside the target and renamed over it: a failed write leaves the old one
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+        try:
+            fig.savefig(tmp, dpi=PNG_DPI)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+
+
+def _png_case(fig: Any, r: CaseResult, bars: list[_Bar],
+              boxes: dict[str, Box]) -> None:
+    x = np.arange(len(bars))
+    flat = {"linewidth": 0, "antialiased": False, "width": 1.0}  # a row's pixels: its colour
+
+    def axes(name: str, title: str) -> Any:
+        ax = fig.add_axes(boxes[name])
+        ax.set_xlim(-0.5, len(bars) - 0.5)
+        ax.set_xticks([])
+        ax.set_ylabel(title, rotation=0, ha="right", va="center", fontsize=7)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        return ax
+
+    marks = axes("marks", "")
+    marks.set_axis_off()
+    marks.set_ylim(0, 1)
+    wrong = [b.wrong for b in bars]
+    marks.bar(x[wrong], 1.0, color=COLOURS["wrong"], **flat)
+    strip = axes("rows", "rows")
+    strip.set_ylim(0, 1)
+    strip.set_yticks([])
+    strip.bar(x, 1.0, color=[COLOURS[b.cls] for b in bars], **flat)
+    tracks = (("error", "error / bound", [b.error for b in bars], True),
+              ("input", "input path\n/ bound", [b.input_path for b in bars], False),
+              ("output", "output path\n/ bound", [b.output_path for b in bars], False))
+    for name, title, values, error in tracks:
+        ax = axes(name, title)
+        finite = [v for v in values if math.isfinite(v)]
+        top = 10.0 ** max(1.0, math.ceil(math.log10(max([10.0, *finite]))))
+        floor = 10.0 ** _FLOOR
+        heights = [min(top, max(floor, v)) if math.isfinite(v) else top for v in values]
+        ax.bar(x, heights, color=[COLOURS["wrong"] if error and b.wrong else COLOURS[b.cls]
+                                  for b in bars], **flat)
+        ax.set_yscale("log")
+        ax.set_ylim(floor, top)
+        ax.tick_params(labelsize=6)
+        ax.axhline(1.0, color=COLOURS["wrong"], ls="--", lw=0.8)
+    fig.text(boxes["marks"][0], boxes["marks"][1] + boxes["marks"][3]
+             + 0.3 * _PNG_TITLE / fig.get_figheight(),
+             f"case {r.case.name}: {_HEAD[r.status]}"
+             + (f" ({r.diagnosis.label})" if r.diagnosis is not None else ""), fontsize=9)

@@ -8,12 +8,21 @@ mutation score is the share of (mutant, kind) rows killed by at least one proper
 correct implementation (the built-ins and the styles) must pass every property on the same
 examples.  ``tyingspec mutants`` prints the matrix and exits 0 only when the score is 100% and
 every style passes.
+
+The default matrix stops a mutant's row at its first kill: the verdict needs "killed, and by
+what label", not every property that could kill it, and a property that survives costs its
+whole example budget (on the torch and distributed kinds, a model run per example).  The
+properties it did not run are marked ``-`` (``not_run`` in the JSON).  ``--full`` runs every
+property against every mutant; the correct implementations run every property either way
+(a false alarm anywhere is the failure the matrix exists to catch).  The rows run in
+``--jobs`` processes (default: one per core), each row whole in one of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -72,6 +81,8 @@ class Row:
     # engine both front ends share).  The smallest killing batch may carry a weaker label:
     # shrunk to one present token, a padding mask *is* a missing input path.
     label: str | None = None
+    # properties that apply to the kind but were not run: the row stopped at its first kill
+    not_run: list[str] = field(default_factory=list)
 
     @property
     def correct(self) -> bool:
@@ -103,7 +114,8 @@ class Row:
                 "smallest": None if small is None else
                 {"property": small.prop, "label": small.label,
                  "batch": batch_dict(small.case)},  # type: ignore[arg-type]
-                "cells": {p: c.as_dict() for p, c in self.cells.items()}}
+                "cells": {p: c.as_dict() for p, c in self.cells.items()},
+                "not_run": list(self.not_run)}
 
 
 @dataclass
@@ -116,6 +128,7 @@ class PowerReport:
     max_examples: int
     seed: int | None
     seconds: float = 0.0
+    full: bool = True  # False: each mutant's row stopped at its first kill
 
     @property
     def killed(self) -> int:
@@ -136,6 +149,7 @@ class PowerReport:
     def as_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "max_examples": self.max_examples, "seed": self.seed,
                 "derandomized": self.seed is None, "seconds": round(self.seconds, 2),
+                "full": self.full,
                 "properties": [{"name": n, "invariant": i, "kinds": list(k)}
                                for n, i, k in self.properties],
                 "score": self.score, "killed": self.killed, "total": len(self.mutants),
@@ -243,8 +257,11 @@ def _reset(spec: KindSpec) -> None:
 
 
 def run_row(impl: Implementation, kind: str, *, max_examples: int,
-            seed: int | None = None, properties: Iterable[str] | None = None) -> Row:
-    """Every applicable property against one implementation of one kind."""
+            seed: int | None = None, properties: Iterable[str] | None = None,
+            first_kill: bool = False) -> Row:
+    """Every applicable property against one implementation of one kind; with
+    ``first_kill``, a mutant's properties stop at the first that kills it (the rest are listed
+    in ``Row.not_run``).  A correct implementation runs every property either way."""
     from tyingspec._src.front.check import check_target
     from tyingspec._src.kinds.table import kind_spec
     from tyingspec.properties import for_kind
@@ -255,9 +272,13 @@ def run_row(impl: Implementation, kind: str, *, max_examples: int,
     row.label = check_target(impl.name, kind, 0, kind_spec(kind).cases(0),
                              shrink_budget=0.0).diagnosis_label
     for prop in for_kind(kind):
-        if wanted is None or prop.name in wanted:
-            row.cells[prop.name] = run_property(prop, impl, kind, max_examples=max_examples,
-                                                seed=seed)
+        if wanted is not None and prop.name not in wanted:
+            continue
+        if first_kill and not impl.correct and row.killed_by:
+            row.not_run.append(prop.name)
+            continue
+        row.cells[prop.name] = run_property(prop, impl, kind, max_examples=max_examples,
+                                            seed=seed)
     return row
 
 
@@ -278,42 +299,91 @@ def targets(kinds: Sequence[str] = KINDS, names: Iterable[str] | None = None
 
 def kill_matrix(*, kinds: Sequence[str] = KINDS, max_examples: int = DEFAULT_MAX_EXAMPLES,
                 seed: int | None = None, names: Iterable[str] | None = None,
-                progress: Callable[[int, int, Row, float], None] | None = None) -> PowerReport:
-    """Run every property against every mutant and every correct implementation;
-    ``progress(done, total, row, elapsed)`` is called after each row."""
+                progress: Callable[[int, int, Row, float], None] | None = None,
+                full: bool = False, jobs: int = 1) -> PowerReport:
+    """Run the properties against every mutant (each row up to its first kill unless
+    ``full``) and every property against every correct implementation, the rows in ``jobs``
+    processes; ``progress(done, total, row, elapsed)`` is called after each row."""
     from tyingspec.properties import PROPERTIES
 
     t0 = time.perf_counter()
-    mutants: list[Row] = []
-    styles: list[Row] = []
     todo = targets(kinds, names)
-    for i, (impl, kind) in enumerate(todo, 1):
-        row = run_row(impl, kind, max_examples=max_examples, seed=seed)
-        (styles if impl.correct else mutants).append(row)
+
+    def done(i: int, row: Row) -> None:
         if progress is not None:
             progress(i, len(todo), row, time.perf_counter() - t0)
+
+    if jobs > 1 and len(todo) > 1:
+        rows = _rows_in_processes(todo, min(jobs, len(todo)), max_examples, seed, full, done)
+    else:
+        rows = []
+        for i, (impl, kind) in enumerate(todo, 1):
+            rows.append(run_row(impl, kind, max_examples=max_examples, seed=seed,
+                                first_kill=not full))
+            done(i, rows[-1])
+    mutants = [r for r, (impl, _) in zip(rows, todo) if not impl.correct]
+    styles = [r for r, (impl, _) in zip(rows, todo) if impl.correct]
     props = [(p.name, p.invariant, p.kinds) for p in PROPERTIES.values()
              if any(k in p.kinds for k in kinds)]
-    return PowerReport(props, mutants, styles, max_examples, seed, time.perf_counter() - t0)
+    return PowerReport(props, mutants, styles, max_examples, seed, time.perf_counter() - t0,
+                       full=full)
+
+
+def _row_job(name: str, kind: str, max_examples: int, seed: int | None, full: bool) -> Row:
+    """One row in a pool process: the implementation looked up there by name (built-ins only:
+    the pool does not see registry entries added at run time)."""
+    from tyingspec._src.kinds.table import kind_spec
+
+    return run_row(kind_spec(kind).builtins()[name], kind, max_examples=max_examples,
+                   seed=seed, first_kill=not full)
+
+
+def _rows_in_processes(todo: Sequence[tuple[Implementation, str]], jobs: int,
+                       max_examples: int, seed: int | None, full: bool,
+                       done: Callable[[int, Row], None]) -> list[Row]:
+    """The rows of ``todo`` in ``jobs`` fresh processes (spawned: no torch or JAX state
+    forked), in ``todo``'s order; each process keeps its imports and loaded models for the
+    rows it runs next."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from tyingspec._src.kinds.table import kind_spec
+
+    # the rows of kinds that import a framework (torch, jax) first: they cost the most, and a
+    # long row started last would run alone while the other processes sit idle
+    order = sorted(range(len(todo)), key=lambda i: (kind_spec(todo[i][1]).needs is None, i))
+    rows: dict[int, Row] = {}
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_row_job, todo[i][0].name, todo[i][1], max_examples, seed,
+                               full): i for i in order}
+        for n, future in enumerate(as_completed(futures), 1):
+            rows[futures[future]] = future.result()
+            done(n, rows[futures[future]])
+    return [rows[i] for i in range(len(todo))]
 
 
 def render(report: PowerReport) -> str:
     """The kill matrix as text: rows mutant/kind, one column per property, then the verdict."""
     props = [p for p, _, _ in report.properties]
-    mode = "derandomized" if report.seed is None else f"seed {report.seed}"
+    mode = ("derandomized" if report.seed is None else f"seed {report.seed}") + (
+        "" if report.full else "; each mutant up to its first kill, --full for every cell")
     lines = [(f"tyingspec mutants: {len(report.mutants)} mutant forms x {len(props)} "
               f"properties, at most {report.max_examples} examples per property ({mode}, "
               f"{report.seconds:.1f} s)"), ""]
     for i, (name, inv, kinds) in enumerate(report.properties, 1):
         lines.append(f"  [{i:>2}] {name} ({inv}; {'/'.join(kinds)})")
     lines += ["", ("kill matrix: K killed, . survived, E adapter error, ? no evidence, "
-                   "blank: does not apply to the kind")]
+                   "- not run (after the first kill), blank: does not apply to the kind")]
     width = max([len(f"{r.name} ({r.kind})") for r in report.mutants + report.styles] + [10])
     head = " ".join(f"{i:>2}" for i in range(1, len(props) + 1))
     lines.append(f"  {'mutant (kind)':<{width}}  {head}  killed by")
     mark = {KILLED: "K", SURVIVED: ".", PASSED: ".", FAILED: "F", ERROR: "E", NO_EVIDENCE: "?"}
+
+    def cell_mark(r: Row, p: str) -> str:
+        return mark[r.cells[p].status] if p in r.cells else "-" if p in r.not_run else ""
+
     for r in report.mutants:
-        cells = " ".join(f"{mark[r.cells[p].status] if p in r.cells else '':>2}" for p in props)
+        cells = " ".join(f"{cell_mark(r, p):>2}" for p in props)
         lines.append(f"  {r.name + ' (' + r.kind + ')':<{width}}  {cells}  {len(r.killed_by)}"
                      + ("" if r.ok else "  SURVIVED"))
     lines += ["", (f"mutation score: {report.killed}/{len(report.mutants)} = "
@@ -328,7 +398,7 @@ def render(report: PowerReport) -> str:
                      f"[{small.label}]: {batch_text(small.case)}")
     lines += ["", "correct implementations (every property must pass): F failed, . passed"]
     for r in report.styles:
-        cells = " ".join(f"{mark[r.cells[p].status] if p in r.cells else '':>2}" for p in props)
+        cells = " ".join(f"{cell_mark(r, p):>2}" for p in props)
         lines.append(f"  {r.name + ' (' + r.kind + ')':<{width}}  {cells}  "
                      + ("ok" if r.ok else "FAILED"))
         for p, c in r.cells.items():
@@ -395,6 +465,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="Hypothesis seed (default: derandomized, the same examples every run)")
     p.add_argument("--only", type=_mutant_name, action="append", metavar="NAME",
                    help="run only this implementation (repeatable)")
+    p.add_argument("--full", action="store_true",
+                   help="run every property against every mutant (default: each mutant up "
+                        "to the first property that kills it; the correct implementations "
+                        "run every property either way)")
+    p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, metavar="N",
+                   help="processes to run the rows in (default: one per core, here "
+                        f"{os.cpu_count() or 1}); 1 runs them in this process")
 
 
 def _nothing_to_run(names: Sequence[str], kinds: Sequence[str]) -> str:
@@ -458,7 +535,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(_nothing_to_run(args.only or (), kinds))
     _require_extras(pairs, args.kind == "all")
     report = kill_matrix(kinds=kinds, max_examples=args.max_examples, seed=args.seed,
-                         names=args.only, progress=progress_printer())
+                         names=args.only, progress=progress_printer(), full=args.full,
+                         jobs=args.jobs)
     print(render(report), flush=True)
     code = 0 if report.ok else 1
     if path is not None:
