@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.commands import Variant, interleaved, python  # noqa: E402
+from benchmarks.commands import Variant, interleaved_in, python  # noqa: E402
 
 #: (target, kind) as the user's test names them.
 CALLS = [("examples.numpy_model.grads:tied_backward", None),
@@ -110,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         if v.name != "cold":
             Variant("fill", v.argv, v.cwd, v.env).run()
-    try:
-        interleaved(variants, args.rounds)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return max(v.last.returncode if v.last else 1 for v in variants)
+    return interleaved_in(scratch, variants, args.rounds)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.commands import Variant, interleaved, python  # noqa: E402
+from benchmarks.commands import Variant, interleaved_in, python  # noqa: E402
 
 #: The README's command (``pytest`` there: ``python -m pytest`` here, so the interpreter is
 #: this one), without pytest's cache so that no run leaves state for the next.
@@ -76,11 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 {**here, "TYINGSPEC_CACHE_DIR": str(warm_cache)})]
     Variant("fill", [python(), *QUICKSTART], REPO,
             {**here, "TYINGSPEC_CACHE_DIR": str(warm_cache)}).run()  # untimed
-    try:
-        interleaved(variants, args.rounds)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return max(v.last.returncode if v.last else 1 for v in variants)
+    return interleaved_in(scratch, variants, args.rounds)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,6 +77,16 @@ def interleaved(variants: Sequence[Variant], rounds: int) -> None:
     print("commands:")
     for v in variants:
         print(f"  {v.name}: {v.command()}")
+
+
+def interleaved_in(scratch: Path, variants: Sequence[Variant], rounds: int) -> int:
+    """:func:`interleaved`, then ``scratch`` (the benchmark's files and caches) removed however
+    it ended; the worst exit status of the variants' last runs."""
+    try:
+        interleaved(variants, rounds)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return max(v.last.returncode if v.last else 1 for v in variants)
 
 
 def python() -> str:
