@@ -38,11 +38,12 @@ def one_call(shape: tuple[int, int, int]) -> object:
     from tyingspec._src.core.cases import at_shape, build
     from tyingspec._src.kinds.linear_ce.adapter import call_linear_ce
     from tyingspec._src.kinds.linear_ce.kind import inputs, standard_ce_cases
+    from tyingspec._src.kinds.linear_ce.spec import SPEC
     from tyingspec._src.kinds.linear_ce.zoo import ce_torch
 
     case = next(c for c in standard_ce_cases(0) if c.name == "ce-plain")
-    (case,), _ = at_shape([case], *shape)
-    batch = build(replace(case, dtype="float32"))
+    (case,), _ = at_shape([case], *shape, SPEC)
+    batch = build(replace(case, dtype="float32"), SPEC)
     inp = inputs(batch)
     return lambda: call_linear_ce("ce-torch", ce_torch, inp)
 

@@ -60,7 +60,7 @@ def own_cases(kind: str, V: int, d: int, N: int, case_name: str | None) -> list[
     from tyingspec._src.core.cases import at_shape
     from tyingspec._src.kinds.table import kind_spec
 
-    fitted, _ = at_shape(kind_spec(kind).cases(0), V, d, N)
+    fitted, _ = at_shape(kind_spec(kind).cases(0), V, d, N, kind_spec(kind))
     return [c.name for c in fitted]
 
 
@@ -72,9 +72,10 @@ def own(kind: str, precision: str, V: int, d: int, N: int, case_name: str) -> No
     from tyingspec._src.core.cases import at_shape, build
     from tyingspec._src.kinds.table import kind_spec
 
-    case = next(c for c in kind_spec(kind).cases(0) if c.name == case_name)
-    (case,), _ = at_shape([case], V, d, N)
-    batch = build(replace(case, dtype=precision))
+    spec = kind_spec(kind)
+    case = next(c for c in spec.cases(0) if c.name == case_name)
+    (case,), _ = at_shape([case], V, d, N, spec)
+    batch = build(replace(case, dtype=precision), spec)
     if kind == "kernel":
         from tyingspec._src.core.paths import forward_parts
         from tyingspec._src.kinds.probe.builtins import builtins

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [os.path.abspath(p) for p in args.path] + [os.environ.get("PYTHONPATH", "")])
 
-    from tyingspec._src.core.cases import build
+    from tyingspec import build  # a linear-ce case: the public build draws its options
     from tyingspec._src.engine.observe import described, load, shaped
     from tyingspec._src.front.check import CaseResult, check_target
     from tyingspec._src.kinds.linear_ce import interpreter

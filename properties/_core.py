@@ -20,6 +20,7 @@ from hypothesis.errors import UnsatisfiedAssumption
 from tyingspec._src.core.cases import Case
 from tyingspec._src.core.diagnosis import UNINFORMATIVE, Diagnosis
 from tyingspec._src.core.errors import TyingspecError
+from tyingspec._src.core.kind import Kind, KindSpec
 from tyingspec._src.core.render import batch_lines, diagnosis_lines
 from tyingspec._src.engine.observe import Observation, Target
 
@@ -121,11 +122,13 @@ def discard(reason: str) -> NoReturn:
     raise UnsatisfiedAssumption(f"discarded: {reason}")  # not reached: assume(False) raises
 
 
-def for_kind(kind: str) -> list[Property]:
-    """The properties that apply to ``kind``, as its entry in the kind table lists them."""
+def for_kind(kind: Kind | KindSpec) -> list[Property]:
+    """The properties that apply to ``kind``, as its entry in the kind table lists them.  A
+    public signature: a kind's name is looked up here, at that boundary."""
     from tyingspec._src.kinds.table import kind_spec
 
-    return [PROPERTIES[name] for name in kind_spec(kind).properties]
+    table = kind if isinstance(kind, KindSpec) else kind_spec(kind)
+    return [PROPERTIES[name] for name in table.properties]
 
 
 def label_locked(check: Check) -> Check:

@@ -407,3 +407,72 @@ def test_the_rounding_rule_finds_finfo_and_half_an_eps(tmp_path: Path) -> None:
     (folder / "step.py").write_text("u = torch.finfo(x).eps\nok = 1\nv = eps / 2\n")
     assert framework_rounding_under_kinds(tmp_path / "tyingspec") == [
         "tyingspec/_src/kinds/torch/step.py:1", "tyingspec/_src/kinds/torch/step.py:3"]
+
+
+# ---- the table is read where a kind's name comes in, and the spec is passed down -------------
+
+#: Modules that look a kind up by its name (``kind_spec(name)``, ``KINDS[name]``): the entry
+#: points, where the name comes in, and turn it into the ``KindSpec`` every layer below is
+#: handed.  The three entry points (the CLI, the API and its ``tyingspec.build``, the pytest
+#: plugin); the request the CLI and the API share (``front/request.py``: its ``--kind``
+#: becomes the spec there); the commands that run every kind or the default one by name
+#: (``tyingspec mutants``, ``tyingspec demo``); and the worker process, whose kind crossed the
+#: process boundary as its name.
+TABLE_READERS = ("_src/front/cli.py", "_src/front/api.py", "_src/front/batches.py",
+                 "_src/front/plugin.py", "_src/front/request.py", "_src/front/kill_matrix.py",
+                 "_src/front/demo.py", "_src/engine/isolation/serving.py")
+#: Public functions that still take a kind's name (``tyingspec.load``, ``tyingspec.
+#: check_target``, ``tyingspec.properties.for_kind``): each converts it at that boundary.
+PUBLIC_BY_NAME = {"_src/engine/observe.py": ("load",), "_src/front/check.py": ("check_target",),
+                  "properties/_core.py": ("for_kind",)}
+
+
+def table_lookups_outside_entry_points(package: Path) -> list[str]:
+    """Every ``kind_spec(...)`` call and ``KINDS[...]`` subscript outside ``kinds/``, the
+    :data:`TABLE_READERS` and the :data:`PUBLIC_BY_NAME` functions, as ``path:line``."""
+    files = [f for f in sorted((package / "_src").rglob("*.py"))
+             if "kinds" not in f.relative_to(package / "_src").parts[:1]]
+    files += sorted((package.parent / "properties").glob("*.py"))
+    found = []
+    for f in files:
+        rel = f.relative_to(package).as_posix() if f.is_relative_to(package) else \
+            f.relative_to(package.parent).as_posix()
+        if rel in TABLE_READERS:
+            continue
+        allowed = PUBLIC_BY_NAME.get(rel, ())
+        tree = ast.parse(f.read_text(), str(f))
+        spared = {id(n) for fn in ast.walk(tree)
+                  if isinstance(fn, ast.FunctionDef) and fn.name in allowed
+                  for n in ast.walk(fn)}
+        for node in ast.walk(tree):
+            lookup = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                      and node.func.id == "kind_spec") or (
+                isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                and node.value.id == "KINDS")
+            if lookup and id(node) not in spared:
+                found.append(f"{rel}:{node.lineno}")  # type: ignore[attr-defined]
+    return found
+
+
+def test_the_table_is_read_at_the_entry_points_only() -> None:
+    # below an entry point a kind is its KindSpec, handed down: a layer that looks a name up
+    # again is one more place a kind is a string
+    found = table_lookups_outside_entry_points(PACKAGE)
+    assert not found, "\n".join(found)
+
+
+def test_the_table_rule_finds_a_lookup_but_not_at_a_public_boundary(tmp_path: Path) -> None:
+    package = tmp_path / "tyingspec"
+    for folder in ("front", "engine", "kinds"):
+        (package / "_src" / folder).mkdir(parents=True)
+    (package / "_src" / "kinds" / "table.py").write_text("x = KINDS['model']\n")
+    (package / "_src" / "front" / "suite.py").write_text(
+        "def f(kind):\n    return kind_spec(kind).own_shape\n")
+    (package / "_src" / "front" / "cli.py").write_text("spec = kind_spec(name)\n")
+    (package / "_src" / "engine" / "observe.py").write_text(
+        "def load(kind):\n    return kind_spec(kind)\n"
+        "def other(kind):\n    return KINDS[kind]\n")
+    (tmp_path / "properties").mkdir()
+    (tmp_path / "properties" / "_core.py").write_text("def g(k):\n    return KINDS[k]\n")
+    assert table_lookups_outside_entry_points(package) == [
+        "_src/engine/observe.py:4", "_src/front/suite.py:2", "properties/_core.py:2"]

@@ -15,7 +15,7 @@ __version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from tyingspec._src.core.adapters import AdapterError, Returned
-    from tyingspec._src.core.cases import Batch, Case, build, standard_cases
+    from tyingspec._src.core.cases import Batch, Case, standard_cases
     from tyingspec._src.core.diagnosis import (
         LABELS,
         ArrayCheck,
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         reference,
     )
     from tyingspec._src.front.api import assert_correct, check
+    from tyingspec._src.front.batches import build
     from tyingspec._src.front.check import check_target
     from tyingspec._src.front.results import CaseResult, CheckFailed, CheckReport, NoPower
     from tyingspec._src.kinds.distributed.target import DistributedTarget
@@ -71,7 +72,7 @@ _WHERE: dict[str, str] = {
     "Power": "._src.core.diagnosis",
     "REGISTRY": "._src.kinds.probe.builtins",
     "Tolerance": "._src.core.tolerance",
-    "build": "._src.core.cases",
+    "build": "._src.front.batches",
     "cases": "._src.core.strategies",
     "Returned": "._src.core.adapters",
     "Observation": "._src.engine.observe",

@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 from torch import Tensor, nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from tyingspec._src.core.cases import build  # noqa: E402
+from tyingspec import build  # noqa: E402
 from tyingspec._src.engine.observe import Target, shaped  # noqa: E402
 from tyingspec._src.front.check import (  # noqa: E402
     CaseResult,

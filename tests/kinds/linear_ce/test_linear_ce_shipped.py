@@ -21,6 +21,7 @@ from tyingspec._src.front.baseline import EXIT_NO_POWER
 from tyingspec._src.front.check import CheckReport, check_target
 from tyingspec._src.kinds.linear_ce import kind
 from tyingspec._src.kinds.linear_ce.adapter import supported
+from tyingspec._src.kinds.linear_ce.spec import SPEC
 from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
 
 HERE = str(Path(__file__).parents[2])
@@ -145,7 +146,7 @@ def test_padded_lanes_are_caught_in_each_low_precision_and_a_correct_kernel_has_
 def test_the_lse_bound_holds_a_correct_kernel_and_tells_the_lanes() -> None:
     """The lse bound on the bfloat16 softcap case: the correct loss inside it, the padded
     lanes' more than twice it away; at the float64 case's V = 37, softcap 2, it cannot."""
-    from tyingspec._src.core.cases import build
+    from tyingspec import build
     from tyingspec._src.kinds.linear_ce.reference import linear_ce
 
     for name, tells in (("ce-softcap-bfloat16", True), ("ce-softcap", False)):
@@ -190,7 +191,7 @@ def test_the_builtins_that_lost_power_under_shape_keep_their_verdict(name: str) 
     b = LINEAR_CE_BUILTINS[name]
     exposing = {"ce-overflow": "ce-large-logits", "ce-softcap-derivative-missing": "ce-softcap",
                 "ce-block-overwritten": "ce-long", "ce-numpy": "ce-large-logits"}[name]
-    cases, _ = at_shape([CASES[exposing]], 37, 6, 23)
+    cases, _ = at_shape([CASES[exposing]], 37, 6, 23, SPEC)
     report = check_target(name, "linear-ce", 0, cases, shrink_budget=0)
     assert report.exit_code == (0 if b.breaks is None else 1), report.diagnosis
     assert report.diagnosis_label == ("correct" if b.breaks is None else b.expected)
@@ -202,7 +203,7 @@ def test_every_builtin_keeps_its_verdict_under_shape(shape: tuple[int, int, int]
     """--shape draws each case for the logits it names (ce-large-logits' 1e4 at any width),
     keeps ce-long's length: ce-overflow exited 0 under --shape 37,6,23 when every case took
     GPT-2's e_scale of 0.02."""
-    cases, _ = at_shape(list(CASES.values()), *shape)
+    cases, _ = at_shape(list(CASES.values()), *shape, SPEC)
     for name, b in LINEAR_CE_BUILTINS.items():
         report = check_target(name, "linear-ce", 0, cases, shrink_budget=0)
         if b.breaks is None:
@@ -213,7 +214,7 @@ def test_every_builtin_keeps_its_verdict_under_shape(shape: tuple[int, int, int]
 
 
 def test_shape_draws_each_case_for_its_logits_and_keeps_the_long_case_long() -> None:
-    cases, _ = at_shape(list(CASES.values()), 50, 768, 64)
+    cases, _ = at_shape(list(CASES.values()), 50, 768, 64, SPEC)
     by = {c.name: c for c in cases}
     large = by["ce-large-logits"]
     assert large.d * large.e_scale ** 2 == pytest.approx(1e4)

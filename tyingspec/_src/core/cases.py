@@ -75,8 +75,9 @@ class Case:
     # nn.Embedding(padding_idx=p) semantics: the input path never reaches row p (the output
     # path still does); None: no padding row
     padding_idx: int | None = None
-    # a linear-ce case's options, "key=value,..." (see kinds.linear_ce.kind.ce_options):
-    # the kernel's options plus how the batch exposes them (ignored=fraction, logits=magnitude)
+    # a linear-ce case's options, "key=value,..." (see kinds.linear_ce.draws): the kernel's
+    # options plus how the batch exposes them (ignored=fraction, logits=magnitude), drawn by
+    # the kind's ``KindSpec.draws`` (core never reads them)
     ce: str = ""
     # the user's --shape: a target with a shape of its own (a torch model) keeps this N (its
     # batch x sequence) and must have this V and d
@@ -314,8 +315,15 @@ def _drawn_low_rank(rng: np.random.Generator, shape: tuple[int, int], dt: np.dty
     return E, LowRank(A, B, s, weakref.ref(E), spikes)
 
 
-def build(case: Case) -> Batch:
-    """Every array of a case, from its seed (weights at a scale where both paths matter)."""
+def build(case: Case, kind: KindSpec | None = None) -> Batch:
+    """Every array of a case, from its seed (weights at a scale where both paths matter), with
+    what ``kind`` draws from the case's options (``KindSpec.draws``: a linear-ce case's ignored
+    targets, class weights, upstream gradient).  A case with options needs the kind that
+    draws them (``tyingspec.build`` finds it): without, its batch would silently lack them."""
+    draws = None if kind is None else kind.draws
+    if case.ce and draws is None:
+        raise ValueError(f"case {case.name!r} has kind options ({case.ce}): build it with "
+                         "the kind that draws them (tyingspec.build(case) finds it)")
     rng = np.random.default_rng(case.seed)
     dt = numpy_dtype(case.dtype)  # type: ignore[arg-type]
     rank, low_rank = e_rank(case), None
@@ -339,9 +347,7 @@ def build(case: Case) -> Batch:
         targets = rng.integers(case.V, size=case.N).astype(np.int64)
     batch = Batch(E, W, b, tokens, targets, case.res, case.s_in, case.padding_idx,
                   low_rank=low_rank, setting=case.setting)
-    if case.ce:
-        batch = with_ce(batch, case, explicit=case.targets is not None)
-    return batch
+    return batch if draws is None else draws(batch, case)
 
 
 #: A batch whose E is at least this many bytes lets it go once a kind's inputs no longer need
@@ -404,11 +410,6 @@ SHAPE_CASES = ("n-greater-than-v", "v-equals-1", "v-equals-d")
 #: (torch) leaves them out too.
 PROBE_CASES = ("res-zero", "s-in-not-1", "no-bias")
 
-#: Cases whose point is their length (a linear-ce kernel's dE past two of its blocks):
-#: ``--shape`` gives them its V and d and keeps their N.
-LENGTH_CASES = ("ce-long",)
-
-
 def at_model_setting(case: Case, V: int, d: int, N: int, setting: str) -> Case:
     """``case`` on a framework model (torch, jax) of vocabulary ``V`` and width ``d``, at a
     batch of ``N`` tokens drawn in ``setting`` (its text, printed with the case): float64, E of
@@ -424,18 +425,26 @@ def at_model_setting(case: Case, V: int, d: int, N: int, setting: str) -> Case:
                    composition=composition, distinct=distinct, setting=setting)
 
 
-def at_shape(cases: list[Case], V: int, d: int, N: int) -> tuple[list[Case], list[str]]:
-    """The cases at a user's shape, each keeping its composition; the names left out (those
-    defined by their shape, and those whose composition the shape cannot hold)."""
+def at_shape(cases: list[Case], V: int, d: int, N: int, kind: KindSpec | None = None
+             ) -> tuple[list[Case], list[str]]:
+    """The cases of ``kind`` (default: a model's) at a user's shape, each keeping its
+    composition (and its N, for the kind's ``length_cases``; E at the scale the kind's
+    ``e_scale_at`` keeps, else :data:`SHAPE_E_SCALE`); the names left out (those defined by
+    their shape, and those whose composition the shape cannot hold)."""
     kept: list[Case] = []
     left_out: list[str] = []
+    lengths = () if kind is None else kind.length_cases
     for c in cases:
+        if c.ce and (kind is None or kind.draws is None):  # its E's scale is the kind's
+            raise ValueError(f"case {c.name!r} has kind options ({c.ce}): put it at a shape "
+                             "with the kind that draws them")
         if c.name in SHAPE_CASES or (c.composition == "distinct" and N > V):
             left_out.append(c.name)
             continue
-        n = c.N if c.name in LENGTH_CASES else N
+        n = c.N if c.name in lengths else N
+        scale = None if kind is None or kind.e_scale_at is None else kind.e_scale_at(c, d)
         kept.append(replace(c, V=V, d=d, N=n, tokens=None, targets=None,
-                            e_scale=ce_e_scale(c, d) or SHAPE_E_SCALE, given_shape=True))
+                            e_scale=scale or SHAPE_E_SCALE, given_shape=True))
     return kept, left_out
 
 
@@ -623,85 +632,3 @@ def kernel_paths(tokens: IntArray, dx: Array, h: Array, g: Array, V: int,
                                       np.unique(tokens).astype(np.int64), drawn, projected)
     return Paths(loss=0.0, dE_in=dE_in, dE_out=dE_out, dW=np.zeros((0, 0)), db=None,
                  per_position=rows, tokens=tokens, terms=terms, sketch=judged)
-
-
-# --- the linear-ce part of a case -------------------------------------------------------------
-# A case's ``ce`` string belongs to the case format, and :func:`build` draws its arrays: the
-# parsing and the draws live here, with the case, until ``build`` takes its kind's draws as a
-# ``KindSpec`` hook.  Checking a replay's options is the kind's (``kinds/linear_ce/options``).
-
-IGNORE_INDEX = -100
-#: The kernel options, as Liger's constructor names them (plus logit_scale).
-OPTION_NAMES = ("logit_scale", "softcap", "label_smoothing", "lse_square_scale", "ignore_index",
-                "reduction", "ce_weight")
-REDUCTION_VALUES: tuple[str, ...] = ("mean", "sum", "none")
-#: Tokens per chunk when a case ignores a whole chunk (a fused kernel's block is rarely 7).
-CHUNK = 7
-
-
-def ce_options(text: str) -> dict[str, str]:
-    """``"logit_scale=0.0625,ignored=0.25"`` as a dict (values as written)."""
-    out: dict[str, str] = {}
-    for part in filter(None, text.split(",")):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise ValueError(f"linear-ce option {part!r}: expected key=value")
-        out[key] = value
-    return out
-
-
-def ce_e_scale(case: Case, d: int) -> float | None:
-    """E's scale for a linear-ce case at width ``d`` that keeps the logits' spread the case
-    is drawn for (its ``logits=`` part: ``h ~ E[token]``, so the largest logits are about
-    ``d * e_scale**2``), or None for a case that names none.  ``--shape`` keeps each case's
-    power this way: at GPT-2's 0.02 a case drawn for logits near 1e4 (where a naive ``exp``
-    overflows) or for a softcap's curved part would have logits near 0."""
-    logits = ce_options(case.ce).get("logits")
-    return None if logits is None else math.sqrt(float(logits) / max(d, 1))
-
-
-def drawn_ignore_index(case: Case) -> int:
-    """The case's ignore_index: as written (``ignore_index=-100``), a class of the vocabulary
-    (``ignore_index=vocab``, as a pad token id is), or, unset, either, from the case's seed.
-    Drawn so that a kernel that hard-codes -100 is caught; never another negative value, so
-    that every replayed target is in [0, V) or -100 (what ``tyingspec check --targets``
-    takes).  Its own stream: the case's other draws are those of the same case without it."""
-    value = ce_options(case.ce).get("ignore_index")
-    rng = np.random.default_rng([case.seed, 8])
-    if value is None:
-        value = "-100" if rng.random() < 0.5 else "vocab"
-    return int(rng.integers(case.V)) if value == "vocab" else int(value)
-
-
-def with_ce(batch: Batch, case: Case, *, explicit: bool) -> Batch:
-    """The batch's linear-ce draws: ignored targets (at the drawn ignore_index), class weights,
-    grad_output (their own stream from the case seed, so the other arrays are those of the
-    same case without them).  The batch's ``ce`` carries the ignore_index it was drawn with."""
-    opts = ce_options(case.ce)
-    rng = np.random.default_rng([case.seed, 7])
-    targets = batch.targets
-    N, V = targets.shape[0], batch.E.shape[0]
-    ce = case.ce
-    if "ignored" in opts or "ignore_index" in opts:
-        ignore_index = drawn_ignore_index(case)
-        ce = ",".join([f"{k}={v}" for k, v in opts.items() if k != "ignore_index"]
-                      + [f"ignore_index={ignore_index}"])
-    if "ignored" in opts and not explicit:
-        fraction = float(opts["ignored"])
-        targets = targets.copy()
-        ignored = np.zeros(N, dtype=bool)
-        if fraction > 0:
-            ignored[:min(CHUNK, N)] = True  # a whole chunk of ignored tokens
-            ignored |= rng.random(N) < fraction
-        if fraction >= 1:
-            ignored[:] = True
-        targets[ignored] = ignore_index
-    if opts.get("target") == "same" and not explicit:
-        targets = np.full_like(targets, targets[0])
-    dt = batch.E.dtype
-    weight = np.asarray(rng.uniform(0.5, 2.0, size=V), dtype=dt) \
-        if "ce_weight" in opts else None
-    grad_output = np.asarray(rng.normal(size=N) + 1.5, dtype=dt) \
-        if opts.get("reduction") == "none" else None
-    return replace(batch, targets=targets, ce=ce, ce_weight=weight,
-                   grad_output=grad_output)

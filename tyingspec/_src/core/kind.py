@@ -136,6 +136,15 @@ class KindSpec:
     # about how many bytes a check at ``V, d, N`` in a precision holds at its peak (see
     # ``core.cases.model_bytes``)
     peak_bytes: Callable[[int, int, int, str], int] = model_bytes
+    # the kind's own draws on the batch ``core.cases.build`` made from a case's seed, from
+    # its options (``Case.ce``: linear-ce's ignored targets, class weights, upstream
+    # gradient); None: the kind's cases carry no options
+    draws: Callable[[Batch, Case], Batch] | None = None
+    # E's scale for a case at another width (``--shape``, see ``core.cases.at_shape``), to
+    # keep the logits the case is drawn for; None (or a None result): ``SHAPE_E_SCALE``
+    e_scale_at: Callable[[Case, int], float | None] | None = None
+    # cases whose point is their length: ``--shape`` gives them its V and d, keeps their N
+    length_cases: tuple[str, ...] = ()
     # the kind's own checks a quick check runs (``inputs["checks"]``); None: all of them
     quick_checks: tuple[str, ...] | None = None
     # the input names a micro-batch slices along the positions (``micro_batches_accumulate``)

@@ -558,7 +558,7 @@ def shaped(target: Target, cases: list[Case]) -> tuple[list[Case], list[str]]:
     given = [replace(c, V=V, d=d, N=len(c.tokens or ()), probe=False)
              for c in cases if c.tokens is not None]
     kept, left_out = at_shape([c for c in cases if c.tokens is None and
-                               c.name not in PROBE_CASES], V, d, N)
+                               c.name not in PROBE_CASES], V, d, N, target.kind)
     left_out += [c.name for c in cases if c.tokens is None and c.name in PROBE_CASES]
     kept = [replace(c, probe=False, e_scale=1.0) for c in kept] + given
     notes = [f"the model's shape: V={V} d={d} N={N} (batch x sequence)"]
@@ -602,7 +602,7 @@ def batch_for(target: Target, case: Case) -> tuple[Case, Batch]:
     """Step 1: the case's arrays in the target's declared precision, and the case with its
     tokens and targets spelled out (what a failure prints and a replay needs)."""
     case = declared(target, case)
-    batch = build(case)
+    batch = build(case, target.kind)
     return case.with_batch(batch.tokens, batch.targets), batch
 
 

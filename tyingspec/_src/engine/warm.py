@@ -25,6 +25,7 @@ import atexit
 from collections.abc import Sequence
 
 from tyingspec._src.core.cases import Case
+from tyingspec._src.core.kind import KindSpec
 from tyingspec._src.engine.observe import PrecisionChoice, Target, load
 
 Key = tuple[str, str, str, float, tuple[str, ...]]
@@ -36,10 +37,10 @@ class WarmTargets:
     def __init__(self) -> None:
         self._kept: dict[Key, Target] = {}
 
-    def get(self, spec: str, kind: str, precision: PrecisionChoice, *, timeout: float,
+    def get(self, spec: str, kind: KindSpec, precision: PrecisionChoice, *, timeout: float,
             paths: tuple[str, ...], prepare: Sequence[Case] = ()) -> Target:
         """The loaded target, or a fresh one (its load errors raise, as :func:`load`'s)."""
-        key: Key = (spec, kind, precision, timeout, paths)
+        key: Key = (spec, kind.name, precision, timeout, paths)
         target = self._kept.pop(key, None)
         if target is not None:
             # a built-in runs in this process: tyingspec's own code, nothing to go stale

@@ -15,6 +15,7 @@ import numpy as np
 from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.cases import Case, batch_problem
 from tyingspec._src.core.extras import with_hint
+from tyingspec._src.core.kind import Kind, KindSpec
 from tyingspec._src.core.options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT, UsageError
 from tyingspec._src.engine.observe import (
     Observation,
@@ -27,6 +28,7 @@ from tyingspec._src.engine.observe import (
 )
 from tyingspec._src.engine.warm import WarmTargets
 from tyingspec._src.front.results import CaseResult, CheckReport, Quick
+from tyingspec._src.kinds.table import kind_spec
 
 if TYPE_CHECKING:  # annotations only: the progress line's module loads when one is shown
     from tyingspec._src.front.progress import Progress
@@ -91,7 +93,7 @@ def shrink(target: Target, case: Case, label: str, budget: float = DEFAULT_SHRIN
     return case.with_batch(tokens, targets), ""
 
 
-def proxy_of(case: Case) -> Case | None:
+def proxy_of(case: Case, kind: KindSpec | None = None) -> Case | None:
     """The same case (seed, composition, options) at :data:`PROXY_SHAPE`, where every shape is
     larger; None when the case is already that small or is defined by its shape."""
     from tyingspec._src.core.cases import at_shape
@@ -99,7 +101,7 @@ def proxy_of(case: Case) -> Case | None:
     V, d, N = (min(a, b) for a, b in zip((case.V, case.d, case.N), PROXY_SHAPE))
     if (V, d, N) == (case.V, case.d, case.N) or case.tokens is not None:
         return None
-    kept, _ = at_shape([case], V, d, N)
+    kept, _ = at_shape([case], V, d, N, kind)
     return kept[0] if kept else None
 
 
@@ -116,7 +118,7 @@ def shrink_in_run(target: Target, case: Case, obs: Observation, cost: float,
     t0 = time.monotonic()
     try:
         # shrinking the case itself takes about N evaluations of it
-        proxy = proxy_of(case) if cost * obs.case.N > budget.left() else None
+        proxy = proxy_of(case, target.kind) if cost * obs.case.N > budget.left() else None
         if proxy is not None:
             # the rows and the path are already named at full size: shrink where a step is
             # cheap, on the same case at a small shape, if it shows the same label there
@@ -239,7 +241,7 @@ def _decided(result: CaseResult, seen: set[str]) -> bool:
     return seen >= set(PATHS)
 
 
-def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = None, *,
+def check_target(spec: str, kind: Kind | KindSpec, seed: int, cases: list[Case] | None = None, *,
                  precision: PrecisionChoice = "auto", shrink_budget: float = DEFAULT_SHRINK_BUDGET,
                  on_result: Any = None, timeout: float = DEFAULT_TIMEOUT,
                  paths: tuple[str, ...] = (), warm: WarmTargets | None = None,
@@ -256,18 +258,19 @@ def check_target(spec: str, kind: str, seed: int, cases: list[Case] | None = Non
     had one with the power to see it, or one is wrong or an adapter error, with the kind's
     ``KindSpec.quick_checks``; ``report.quick`` says how many ran of how many.  ``keep_rows``
     keeps each case's rows for a picture (``front.html``)."""
-    report = CheckReport(spec, kind, seed, precision=precision)
+    # the public signature takes a kind's name too (``tyingspec.check_target``): converted
+    # here, at that boundary, and the spec passed down from here on
+    table = kind if isinstance(kind, KindSpec) else kind_spec(kind)
+    report = CheckReport(spec, table.name, seed, precision=precision)
     if cases is None:
-        from tyingspec._src.kinds.table import kind_spec
-
-        cases = kind_spec(kind).cases(seed)
+        cases = table.cases(seed)
     if not cases:
         raise UsageError("no case to run, so there is no verdict")
     if progress is not None:
         progress.loading(spec)
     try:
-        target = load(spec, kind, precision, timeout=timeout, paths=paths, prepare=cases[:1]) \
-            if warm is None else warm.get(spec, kind, precision, timeout=timeout, paths=paths,
+        target = load(spec, table, precision, timeout=timeout, paths=paths, prepare=cases[:1]) \
+            if warm is None else warm.get(spec, table, precision, timeout=timeout, paths=paths,
                                           prepare=cases[:1])
     except AdapterError as exc:
         report.load_error = with_hint(str(exc))

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from tyingspec._src.core.options import DEFAULT_TIMEOUT, positive_int, positive_seconds
-from tyingspec._src.kinds.table import DEFAULT_KIND, KIND_NAMES
+from tyingspec._src.kinds.table import DEFAULT_KIND, KIND_NAMES, kind_spec
 
 SUITE_PATH = Path(__file__).with_name("suite.py").resolve()
 SUITE_NODEID = "tyingspec"
@@ -291,7 +291,7 @@ def pytest_configure(config: pytest.Config) -> None:
             replay = parse_replay(opts.replay)
         except (ValueError, TypeError) as exc:
             raise pytest.UsageError(f"--tyingspec-replay: {exc}") from None
-        problem = replay_problem(opts.kind, replay[1])
+        problem = replay_problem(kind_spec(opts.kind), replay[1])
         if problem is not None:
             raise pytest.UsageError(f"--tyingspec-replay: {problem}")
     if str(SUITE_PATH) not in config.args:
@@ -312,7 +312,7 @@ class _SuiteModule(pytest.Module):
         plugin = self.config.pluginmanager.get_plugin("tyingspec-suite")
         assert isinstance(plugin, _Suite)
         opts = plugin.opts
-        return build_module(opts.adapter, opts.kind, opts.profile, opts.max_examples,
+        return build_module(opts.adapter, kind_spec(opts.kind), opts.profile, opts.max_examples,
                             plugin.replay, opts.precision, opts.timeout, opts.paths)
 
     def funcnamefilter(self, name: str) -> bool:
@@ -479,7 +479,7 @@ class _Suite:
         # The case Hypothesis drew is the replay's key (shapes and a seed: the property builds
         # the batch printed above from it); the batch itself if the draw was not recorded.
         drawn = getattr(exc, CASE_ATTR, None)
-        key = case if drawn is None else replay_key(opts.kind, drawn, case)
+        key = case if drawn is None else replay_key(kind_spec(opts.kind), drawn, case)
         if key is not None:
             lines += ["", "replay:", f"  {self._replay_line(prop, key)}"]
         notes = [n for n in map(str, getattr(exc, "__notes__", ())) if not _duplicate(item, n)]
@@ -591,7 +591,7 @@ class _Controller:
         if plugin is not None and plugin.replay is not None:
             from tyingspec._src.front.suite import property_names
 
-            known = property_names(self.opts.kind)
+            known = property_names(kind_spec(self.opts.kind))
             if plugin.replay[0] not in known:
                 raise pytest.UsageError(
                     f"--tyingspec-replay: no property {plugin.replay[0]!r} for kind "

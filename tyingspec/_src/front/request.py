@@ -178,7 +178,7 @@ class CheckRequest:
             spec)
         if problem is not None:
             return cases, f"--shape {V},{d},{N}: {problem}; choose a smaller shape"
-        cases, left_out = at_shape(cases, V, d, N)
+        cases, left_out = at_shape(cases, V, d, N, spec)
         if left_out:
             notes.append(f"--shape {V},{d},{N}: left out {', '.join(left_out)} "
                          "(defined by their shape)")

@@ -28,6 +28,7 @@ from tyingspec._src.core.options import DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:
     from tyingspec._src.core.cases import Case
+    from tyingspec._src.core.kind import KindSpec
     from tyingspec._src.engine.observe import Target
     from tyingspec.properties import Property
 
@@ -82,11 +83,9 @@ def profile_settings(profile: str, max_examples: int | None = None, *,
                     suppress_health_check=suppressed, **changes)
 
 
-def property_names(kind: str) -> list[str]:
+def property_names(kind: KindSpec) -> list[str]:
     """The properties that apply to ``kind``, in the order every worker collects them."""
-    from tyingspec._src.kinds.table import kind_spec
-
-    return sorted(kind_spec(kind).properties)
+    return sorted(kind.properties)
 
 
 def _make_test(prop: Property, chosen: settings, replay: Case | None,
@@ -120,7 +119,7 @@ def _make_test(prop: Property, chosen: settings, replay: Case | None,
     return chosen(given(case=prop.strategy())(fn))
 
 
-def build_module(spec: str, kind: str, profile: str, max_examples: int | None = None,
+def build_module(spec: str, kind: KindSpec, profile: str, max_examples: int | None = None,
                  replay: tuple[str, Case] | None = None, precision: str = "auto",
                  timeout: float = DEFAULT_TIMEOUT, paths: tuple[str, ...] = (),
                  ) -> types.ModuleType:
@@ -144,9 +143,7 @@ def build_module(spec: str, kind: str, profile: str, max_examples: int | None = 
 
     module.tyingspec_target = tyingspec_target  # type: ignore[attr-defined]
     chosen = profile_settings(profile, max_examples, replay=replay is not None)
-    from tyingspec._src.kinds.table import kind_spec
-
-    if kind_spec(kind).own_shape:
+    if kind.own_shape:
         # a model's batch shape is its own (torch): shrinking cannot make the batch smaller,
         # only re-run the model on other tokens
         from hypothesis import Phase
@@ -188,14 +185,12 @@ def format_replay(prop: str, case: Case) -> str:
     return " ".join(parts)
 
 
-def replay_key(kind: str, drawn: Case, ran: Case | None) -> Case:
+def replay_key(kind: KindSpec, drawn: Case, ran: Case | None) -> Case:
     """The case a replay line names: the one Hypothesis drew (its batch is built from it, as
     the run built it).  A model with its own shape (torch) runs every draw at its own V, d and
     N (engine.observe.own_case), so those are printed rather than the drawn ones, which
     never ran; the replay is the same."""
-    from tyingspec._src.kinds.table import kind_spec
-
-    if ran is None or drawn.tokens is not None or not kind_spec(kind).own_shape:
+    if ran is None or drawn.tokens is not None or not kind.own_shape:
         return drawn
     return dataclasses.replace(drawn, V=ran.V, d=ran.d, N=ran.N)
 
@@ -241,7 +236,7 @@ def parse_replay(text: str) -> tuple[str, Case]:
     return prop, Case(name="replay", **values)  # type: ignore[arg-type]
 
 
-def replay_problem(kind: str, case: Case) -> str | None:
+def replay_problem(kind: KindSpec, case: Case) -> str | None:
     """Why a parsed replay cannot be run on ``kind`` as given (a usage error, before any test
     runs); None when it can.  Without this a typo in an option is dropped silently and the
     broken kernel passes, and a token beyond V is a traceback inside the adapter.  A torch
@@ -254,7 +249,6 @@ def replay_problem(kind: str, case: Case) -> str | None:
         memory_problem,
     )
     from tyingspec._src.core.options import available_memory
-    from tyingspec._src.kinds.table import kind_spec
 
     small = [f"{k}={getattr(case, k)}" for k in ("V", "d", "N") if getattr(case, k) < 1]
     if small:
@@ -268,15 +262,14 @@ def replay_problem(kind: str, case: Case) -> str | None:
         return f"dtype={case.dtype}: expected float64, float32, bfloat16 or float16"
     if case.padding_idx is not None and not 0 <= case.padding_idx < case.V:
         return f"padding_idx={case.padding_idx}: no such row (expected 0 <= padding_idx < V)"
-    spec = kind_spec(kind)
-    if case.ce and spec.options_problem is None:
+    if case.ce and kind.options_problem is None:
         return f"ce={case.ce}: linear-ce options apply to --tyingspec-kind=linear-ce only"
-    if case.ce and spec.options_problem is not None:
-        problem = spec.options_problem(case.ce)
+    if case.ce and kind.options_problem is not None:
+        problem = kind.options_problem(case.ce)
         if problem is not None:
             return problem
-    own = spec.own_shape
-    ignore = spec.ignore_index(case.ce)
+    own = kind.own_shape
+    ignore = kind.ignore_index(case.ce)
     # an own-shape kind's V is the model's, not yet known: no id beyond it is refused here
     problem = batch_problem(case.tokens, case.targets, None if own else case.V,
                             ignore_index=ignore)

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 #: a kind's name, as ``--kind`` spells it (the table's keys are the known ones)
 Kind = str
 
-__all__ = ["DEFAULT_KIND", "KINDS", "KIND_NAMES", "Kind", "KindSpec", "SecondCall", "builtin_kind",
-           "every_builtin", "fitting", "kind_spec", "needs", "resolve"]
+__all__ = ["DEFAULT_KIND", "KINDS", "KIND_NAMES", "OPTIONS_KIND", "Kind", "KindSpec", "SecondCall",
+           "builtin_kind", "every_builtin", "fitting", "kind_spec", "needs", "resolve"]
 
 _LINES: dict[str, str] = {
     "model": "tyingspec._src.kinds.probe.spec:MODEL",
@@ -41,6 +41,10 @@ _LINES: dict[str, str] = {
     "jax": "tyingspec._src.kinds.jax.spec:SPEC  needs jax",
     "distributed": "tyingspec._src.kinds.distributed.spec:SPEC  needs torch",
 }
+
+#: the kind whose cases carry options (``Case.ce``) and draws them (``KindSpec.draws``):
+#: ``tyingspec.build`` builds a case with options with this kind's draws
+OPTIONS_KIND: Kind = "linear-ce"
 
 KIND_NAMES: tuple[Kind, ...] = tuple(_LINES)
 #: the kind a target runs as when none is given (``tyingspec check TARGET``): the table's first

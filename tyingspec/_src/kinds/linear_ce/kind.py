@@ -19,20 +19,7 @@ import numpy as np
 
 from tyingspec._src.core import memory
 from tyingspec._src.core.adapters import Returned
-from tyingspec._src.core.cases import CHUNK as CHUNK
-from tyingspec._src.core.cases import IGNORE_INDEX as IGNORE_INDEX
-from tyingspec._src.core.cases import (
-    LENGTH_CASES,
-    Batch,
-    Case,
-    case_seed,
-    ce_options,
-    working_dtype,
-)
-from tyingspec._src.core.cases import OPTION_NAMES as OPTION_NAMES
-from tyingspec._src.core.cases import REDUCTION_VALUES as REDUCTION_VALUES
-from tyingspec._src.core.cases import drawn_ignore_index as drawn_ignore_index
-from tyingspec._src.core.cases import with_ce as with_ce
+from tyingspec._src.core.cases import Batch, Case, case_seed, working_dtype
 from tyingspec._src.core.diagnosis import Label
 from tyingspec._src.core.findings import Finding, failed, passed
 from tyingspec._src.core.paths import (
@@ -56,6 +43,14 @@ from tyingspec._src.core.tolerance import (
     row_tolerance,
     value_tolerance,
 )
+from tyingspec._src.kinds.linear_ce.draws import CHUNK as CHUNK
+from tyingspec._src.kinds.linear_ce.draws import IGNORE_INDEX as IGNORE_INDEX
+from tyingspec._src.kinds.linear_ce.draws import LENGTH_CASES
+from tyingspec._src.kinds.linear_ce.draws import OPTION_NAMES as OPTION_NAMES
+from tyingspec._src.kinds.linear_ce.draws import REDUCTION_VALUES as REDUCTION_VALUES
+from tyingspec._src.kinds.linear_ce.draws import ce_options as ce_options
+from tyingspec._src.kinds.linear_ce.draws import drawn_ignore_index as drawn_ignore_index
+from tyingspec._src.kinds.linear_ce.draws import with_ce as with_ce
 from tyingspec._src.kinds.linear_ce.reference import VARIANTS, CEOptions, CEResult, linear_ce
 
 #: What a kernel declares to be run on a case in a low precision (a torch class does: see
@@ -900,7 +895,7 @@ def standard_ce_cases(seed: int) -> list[Case]:
 
 def _with_logits(case: Case) -> Case:
     """``case`` naming the spread of logits it is drawn for (``logits=``, about
-    ``d * e_scale**2``; see ``core.cases.ce_e_scale``), so that ``--shape`` keeps it."""
+    ``d * e_scale**2``; see ``kinds.linear_ce.draws.ce_e_scale``), so that ``--shape`` keeps it."""
     if "logits" in ce_options(case.ce):
         return case
     spread = f"logits={case.d * case.e_scale ** 2:g}"

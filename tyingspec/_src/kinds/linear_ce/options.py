@@ -7,10 +7,10 @@ names the kind.
 
 from __future__ import annotations
 
-from tyingspec._src.core.cases import IGNORE_INDEX, OPTION_NAMES
+from tyingspec._src.kinds.linear_ce.draws import IGNORE_INDEX, OPTION_NAMES
 
 #: Keys of a linear-ce case's ``ce`` string that say how its batch is drawn (the kernel's
-#: options are ``kinds.linear_ce.kind.OPTION_NAMES``), and the values each takes: a
+#: options are ``kinds.linear_ce.draws.OPTION_NAMES``), and the values each takes: a
 #: number, or one of the words listed.
 CE_BATCH_KEYS: dict[str, tuple[str, ...]] = {"ignored": (), "logits": (), "target": ("same",)}
 #: The kernel options whose value is a word, not a number.

@@ -16,7 +16,7 @@ from tyingspec._src.core.adapters import Returned
 from tyingspec._src.core.cases import ENTRY_BYTES, OVERHEAD, Batch, Case
 from tyingspec._src.core.kind import Implementation, Inputs, KindSpec, zoo
 from tyingspec._src.core.paths import Paths
-from tyingspec._src.kinds.linear_ce import interpreter, kind
+from tyingspec._src.kinds.linear_ce import draws, interpreter, kind
 from tyingspec._src.kinds.linear_ce.options import ce_ignore_index, ce_problem
 
 
@@ -91,4 +91,5 @@ SPEC = KindSpec(
     shape_cases=kind.shape_ce_cases, flags=(("device", kind.DEVICES),),
     signature=_signature, before_import=interpreter.before_import,
     builtin_needs=_builtin_needs, ignored_target=ce_ignore_index, options_problem=ce_problem,
-    peak_bytes=peak_bytes)
+    peak_bytes=peak_bytes, draws=draws.draws, e_scale_at=draws.e_scale_at,
+    length_cases=draws.LENGTH_CASES)
