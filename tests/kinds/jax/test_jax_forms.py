@@ -1,15 +1,18 @@
 """The jax kind on the forms real JAX code uses, built from the real libraries (flax NNX and
-Linen, optax with flax's ``TrainState``, equinox), each tiny: a Linen module whose
-``__call__`` has optional arguments (lm1b's ``TransformerLM``), a chunked cross-entropy head
-inside ``lax.scan``, lookups under ``jax.checkpoint`` and ``lax.cond``, equinox's
+Linen, optax with flax's ``TrainState``, equinox, DeepMind's haiku), each tiny: a Linen module
+whose ``__call__`` has optional arguments (lm1b's ``TransformerLM``), a chunked cross-entropy
+head inside ``lax.scan``, lookups under ``jax.checkpoint`` and ``lax.cond``, equinox's
 ``eqx.nn.Shared`` with its per-token ``jax.vmap(embedding)``, a jitted step that donates its
-parameters; and the bugs torch names alike: ``lax.stop_gradient`` on either use (a ``.data``
-read in torch: ``*_path_missing``), a ``Dense`` head initialised to ``embedding.T``
-(``tie_is_a_copy``), a step closed over a stale ``TrainState.params`` (``tie_lost``).
+parameters, haiku's ``hk.transform`` of ``hk.Embed``, ``hk.MultiHeadAttention`` and
+``hk.Linear``; and the bugs torch names alike: ``lax.stop_gradient`` on either use (a ``.data``
+read in torch: ``*_path_missing``), a head initialised to the table (``tie_is_a_copy``), a
+``custom_vjp`` lookup writing ``.at[ids].set`` (``duplicates_not_accumulated``), a head whose
+backward halves the table's part (``path_scaled``), a step closed over a stale
+``TrainState.params`` (``tie_lost``).  The library bugs are one matrix (:data:`LIBRARIES` x
+:data:`BUGS`): each library's own tied LM, correct and with each bug.
 
 Each check compiles the model several times (about 20 s for the three split observations
-below on a loaded 2-core machine), so every test here runs in the slow tier.
-"""
+below on a loaded 2-core machine), so every test here runs in the slow tier."""
 
 from __future__ import annotations
 
@@ -88,7 +91,7 @@ def copied_dense():
             rngs = nnx.Rngs(0)
             self.embed = nnx.Embed(V, D, rngs=rngs)
             self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
-            self.head.kernel.value = jnp.array(self.embed.embedding.value.T)
+            self.head.kernel[...] = jnp.array(self.embed.embedding[...].T)
         def __call__(self, t):
             x = self.embed(t)
             return self.head(x + jnp.tanh(x))
@@ -195,8 +198,9 @@ def scan_head() -> JaxTarget:
                      params=_params)
 
 
-def scan_head_halved() -> JaxTarget:
-    """The chunked head through a ``custom_vjp`` whose backward halves the table's part."""
+def _halved_head() -> Any:
+    """A head ``h @ E.T`` through a ``custom_vjp`` whose backward halves the table's part: the
+    output path enters with a stray 1/2, as a hand-written fused head's bug does."""
     @jax.custom_vjp
     def head(hc: Any, E: Any) -> Any:
         return hc @ E.T
@@ -206,10 +210,17 @@ def scan_head_halved() -> JaxTarget:
 
     def bwd(res: Any, g: Any) -> Any:
         hc, E = res
-        return g @ E, 0.5 * g.T @ hc
+        flat_h, flat_g = hc.reshape(-1, hc.shape[-1]), g.reshape(-1, g.shape[-1])
+        return g @ E, 0.5 * flat_g.T @ flat_h
 
     head.defvjp(fwd, bwd)
-    return JaxTarget(loss_fn=lambda p, t, y: _chunked_ce(head, p, t, y), params=_params)
+    return head
+
+
+def scan_head_halved() -> JaxTarget:
+    """The chunked head through a ``custom_vjp`` whose backward halves the table's part."""
+    return JaxTarget(loss_fn=lambda p, t, y: _chunked_ce(_halved_head(), p, t, y),
+                     params=_params)
 
 
 def cond_remat():
@@ -220,6 +231,139 @@ def cond_remat():
         x = jax.lax.cond(jnp.all(t >= 0), look, lambda E, t: jnp.take(E, t, axis=0), E, t)
         return _ce((x + jnp.tanh(x @ p["w"])) @ E.T, y)
     return JaxTarget(loss_fn=loss_fn, params=_params)
+
+
+# --- one matrix: each library's own tied LM, correct and with each bug torch names ---------
+#: bug -> the torch kind's label for it: ``stop_gradient`` on what the lookup read (torch's
+#: ``.detach()``) or on the head's table (a ``.data`` read), a head initialised from the table
+#: (a copy), a ``custom_vjp`` lookup whose backward writes with ``.at[ids].set`` (torch's
+#: ``index_put_`` without ``accumulate``), a head whose backward halves the table's part.
+BUGS = {"tied": "correct", "stop_lookup": "input_path_missing",
+        "stop_head": "output_path_missing", "copy": "tie_is_a_copy",
+        "set_lookup": "duplicates_not_accumulated", "halved_head": "path_scaled"}
+
+
+def _lookup(bug: str, native: Any, table: Any, t: Any) -> Any:
+    """The lookup of ``t`` as ``bug`` writes it; ``native(t)`` is the library's own."""
+    from tyingspec._src.kinds.jax.zoo import _set_lookup
+
+    if bug == "set_lookup":
+        return _set_lookup()(table, t)
+    return jax.lax.stop_gradient(native(t)) if bug == "stop_lookup" else native(t)
+
+
+def _head(bug: str, native: Any, table: Any, h: Any) -> Any:
+    """The logits of ``h`` as ``bug`` writes them (``copy`` is built by each library);
+    ``native(h)`` is the library's own tied head."""
+    if bug == "stop_head":
+        return h @ jax.lax.stop_gradient(table).T
+    return _halved_head()(h, table) if bug == "halved_head" else native(h)
+
+
+def haiku_lm(bug: str = "tied") -> JaxTarget:
+    """A haiku LM (``hk.transform``): ``hk.Embed`` read by its ``__call__``, one
+    ``hk.MultiHeadAttention`` block and an ``hk.Linear``, the head ``h @ embed.embeddings.T``;
+    given as haiku's own ``(init, apply)`` pair, ``apply(params, tokens)`` its logits."""
+    import haiku as hk
+
+    def forward(t: Any) -> Any:
+        emb = hk.Embed(V, D, name="embed")
+        x = _lookup(bug, emb, emb.embeddings, t)
+        attn = hk.MultiHeadAttention(num_heads=2, key_size=D // 2, model_size=D,
+                                     w_init=hk.initializers.VarianceScaling(1.0))
+        x = x + attn(x, x, x)
+        x = x + jnp.tanh(hk.Linear(D)(x))
+        if bug == "copy":  # a head initialised from the table: two params, equal values
+            return hk.Linear(V, with_bias=False, name="head",
+                             w_init=lambda shape, dtype: emb.embeddings.T)(x)
+        return _head(bug, lambda h: h @ emb.embeddings.T, emb.embeddings, x)
+
+    f = hk.without_apply_rng(hk.transform(forward))
+    return JaxTarget(module=f, params=lambda: f.init(jax.random.PRNGKey(0),
+                                                     jnp.zeros((2, 8), jnp.int32)))
+
+
+def haiku_loss_fn() -> JaxTarget:
+    """The same haiku LM given as a pure loss function of haiku's parameter tree."""
+    lm = haiku_lm()
+    return JaxTarget(loss_fn=lambda p, t, y: _ce(lm.module.apply(p, t), y), params=lm.params)
+
+
+def linen_lm(bug: str = "tied") -> JaxTarget:
+    """A Linen LM: ``nn.Embed`` read by ``__call__`` and scored by ``.attend``."""
+    import flax.linen as nn
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, inputs: Any) -> Any:
+            emb = nn.Embed(V, D, name="embed")
+            x = _lookup(bug, emb, emb.embedding, inputs)
+            x = x + nn.Dense(D)(jnp.tanh(x))
+            if bug == "copy":  # a Dense head [D, V] initialised to embedding.T
+                return nn.Dense(V, use_bias=False, name="head",
+                                kernel_init=lambda *_: emb.embedding.T)(x)
+            return _head(bug, emb.attend, emb.embedding, x)
+
+    m = LM()
+    return JaxTarget(module=m, params=lambda: m.init(jax.random.PRNGKey(0),
+                                                     jnp.zeros((2, 8), jnp.int32)))
+
+
+def nnx_lm(bug: str = "tied") -> Any:
+    """An NNX LM: ``nnx.Embed`` read by ``__call__`` and scored by ``.attend``."""
+    if bug == "copy":
+        return copied_dense()
+    from flax import nnx
+
+    class LM(nnx.Module):
+        def __init__(self) -> None:
+            rngs = nnx.Rngs(0)
+            self.embed = nnx.Embed(V, D, rngs=rngs)
+            self.mix = nnx.Linear(D, D, rngs=rngs)
+
+        def __call__(self, t: Any) -> Any:
+            table = self.embed.embedding[...]
+            x = _lookup(bug, self.embed, table, t)
+            x = x + jnp.tanh(self.mix(x))
+            return _head(bug, self.embed.attend, table, x)
+    return LM()
+
+
+def eqx_lm(bug: str = "tied") -> Any:
+    """An equinox LM written per sequence (``jax.vmap`` over tokens, as equinox's examples
+    do): the ``eqx.nn.Shared`` tie of :func:`eqx_shared`, or for ``copy`` a head whose weight
+    is set from the embedding's with ``eqx.tree_at`` (two arrays, equal values)."""
+    import equinox as eqx
+
+    class LM(eqx.Module):
+        pair: Any  # eqx.nn.Shared of (embedding, head), or the two apart for ``copy``
+        mix: eqx.nn.Linear
+
+        def __init__(self) -> None:
+            k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+            embedding = eqx.nn.Embedding(V, D, key=k1)
+            head = eqx.nn.Linear(D, V, use_bias=False, key=k2)
+            if bug == "copy":
+                self.pair = (embedding, eqx.tree_at(lambda lin: lin.weight, head,
+                                                    jnp.array(embedding.weight)))
+            else:
+                self.pair = eqx.nn.Shared((embedding, head), lambda pair: pair[1].weight,
+                                          lambda pair: pair[0].weight)
+            self.mix = eqx.nn.Linear(D, D, key=k3)
+
+        def __call__(self, tokens: Any) -> Any:
+            embedding, head = self.pair if isinstance(self.pair, tuple) else self.pair()
+            x = _lookup(bug, jax.vmap(embedding), embedding.weight, tokens)
+            x = x + jnp.tanh(jax.vmap(self.mix)(x))
+            return _head(bug, jax.vmap(head), head.weight, x)
+    return LM()
+
+
+LIBRARIES = {"haiku": haiku_lm, "linen": linen_lm, "nnx": nnx_lm, "eqx": eqx_lm}
+# each cell a module attribute, so that a spec names it (``test_jax_forms:haiku_stop_head``)
+for _lib, _make in LIBRARIES.items():
+    for _bug in BUGS:
+        globals()[f"{_lib}_{_bug}"] = (lambda make, bug: lambda: make(bug))(_make, _bug)
 
 
 #: target, the label a one-case check gives it (the torch kind's label for the same bug).
@@ -237,7 +381,8 @@ FORMS = [
     ("copied_dense", "tie_is_a_copy"),
     ("scan_head_halved", "path_scaled"),
     ("stale_state", "tie_lost"),
-]
+    ("haiku_loss_fn", "correct"),
+] + [(f"{lib}_{bug}", label) for lib in LIBRARIES for bug, label in BUGS.items()]
 
 
 @pytest.mark.slow
@@ -248,7 +393,8 @@ def test_each_real_form_is_checked_and_each_bug_gets_the_torch_kinds_label(
     head exited 2 (the loss "not a floating scalar", a module called as a factory, "found no
     tie"), the donating step raised "Array has been deleted", ``stop_gradient`` on the
     lookup was ``input_path_wrong`` or "found no tie", the copied Dense head "found no
-    tie", the stale ``TrainState`` ``unknown``."""
+    tie", the stale ``TrainState`` ``unknown``; equinox's stopped per-token lookup "no
+    power"."""
     assert_one_case_label(f"{HERE}:{attr}", label)
 
 
@@ -289,4 +435,27 @@ def test_the_split_follows_stop_gradient_scan_and_equinox_lookups() -> None:
     model = eqx.nn.Embedding(V, D, key=jax.random.PRNGKey(0))
     shared = _observed(JaxTarget(model=eqx_shared))
     assert shared.problem is None and shared.lookups == 1 and shared.heads == 1
+    # equinox's per-token lookup squeezes what it gathered before the stop: still the lookup's
+    # output (before: the stop was the model's own arithmetic, the check "no power")
+    stopped_eqx = _observed(JaxTarget(model=lambda: eqx_lm("stop_lookup")))
+    assert stopped_eqx.problem is None and not stopped_eqx.input_reached
+    assert stopped_eqx.output_reached and np.any(stopped_eqx.dE_in)
     assert model.weight.shape == (V, D)
+
+
+@pytest.mark.slow
+def test_the_haiku_example_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``examples/jax/haiku_model.py``, haiku's ``(init, apply)`` pair given as a Linen
+    module is: correct, its tie one leaf of haiku's parameter tree, the form named haiku
+    (before: "linen")."""
+    from pathlib import Path
+
+    from test_jax_kind import _describe
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))  # the checkout's
+    from examples.jax.haiku_model import target
+
+    tie = _describe("examples.jax.haiku_model:target", target)
+    assert (tie["form"], tie["embedding"], tie["head"], tie["how"]) == (
+        "haiku", "embed/embeddings", "embed/embeddings", "one leaf")
+    assert_one_case_label("examples.jax.haiku_model:target", "correct")

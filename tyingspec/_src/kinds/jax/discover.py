@@ -36,7 +36,7 @@ Loss = Callable[[Any, Any, Any], Any]
 class Form:
     """A target as one pure loss of one parameter tree."""
 
-    kind: str  # "nnx" | "linen" | "equinox" | "function"
+    kind: str  # "nnx" | "linen" | "haiku" | "equinox" | "function"
     params: Any
     loss: Loss
     target: JaxTarget
@@ -182,7 +182,9 @@ def build_form(spec: str, target: JaxTarget, precision: str = "auto") -> Form:
             out = module.apply(p, t, y) if takes else module.apply(p, t)
             return _scalar(out, y, takes)
 
-        return Form("linen", params, linen_loss, target, lambda p: p, module)
+        # haiku's ``hk.transform`` pair is applied as a Linen module is; named for what it is
+        named = "haiku" if type(module).__module__.split(".")[0] == "haiku" else "linen"
+        return Form(named, params, linen_loss, target, lambda p: p, module)
     assert target.loss_fn is not None
     if is_equinox(params):
         # an equinox module as the tree: its arrays are the parameters, the rest static

@@ -48,6 +48,8 @@ _INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
 #: feeds: followed through, in both versions.
 _PASS = {"convert_element_type", "copy", "copy_p", "reduce_precision", "sharding_constraint",
          "optimization_barrier"}
+#: Layout-only operations that keep a lookup's output what the lookup read.
+_RESHAPE = _PASS | {"squeeze", "reshape", "expand_dims"}
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,12 @@ def _apply(eqn: Any, ins: list[Any], rec: Recorder) -> list[Any]:
         rec.lookups[rec.read[id(ins[0])]]["stopped"] = True
         return list(ins)
     if not tied:
-        return _bind(eqn, ins)
+        outs = _bind(eqn, ins)
+        if eqn.primitive.name in _RESHAPE and id(ins[0]) in rec.read:
+            # still what the lookup read: equinox's per-token ``weight[i]`` under ``jax.vmap``
+            # gathers [.., 1, d] and squeezes it before a ``stop_gradient`` of its output
+            rec.read[id(outs[0])] = rec.read[id(ins[0])]
+        return outs
     name = eqn.primitive.name
 
     def both(k: int, fn: Callable[[Any], list[Any]], transposed: bool) -> list[Any]:
