@@ -23,6 +23,7 @@ from tyingspec._src.core.errors import TyingspecError
 from tyingspec._src.core.kind import Kind, KindSpec
 from tyingspec._src.core.render import batch_lines, diagnosis_lines
 from tyingspec._src.engine.observe import Observation, Target
+from tyingspec._src.kinds.table import KINDS, kind_spec
 
 #: A property's check: raises PropertyFailure when the invariant is broken for ``target`` on
 #: ``case``, AdapterError when the adapter misbehaves, discards a powerless example.
@@ -66,8 +67,6 @@ class Property:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The kinds whose entry in the kind table lists this property."""
-        from tyingspec._src.kinds.table import KINDS
-
         return tuple(k for k, spec in KINDS.items() if self.name in spec.properties)
 
 
@@ -125,8 +124,6 @@ def discard(reason: str) -> NoReturn:
 def for_kind(kind: Kind | KindSpec) -> list[Property]:
     """The properties that apply to ``kind``, as its entry in the kind table lists them.  A
     public signature: a kind's name is looked up here, at that boundary."""
-    from tyingspec._src.kinds.table import kind_spec
-
     table = kind if isinstance(kind, KindSpec) else kind_spec(kind)
     return [PROPERTIES[name] for name in table.properties]
 

@@ -421,6 +421,7 @@ def _declared(ckpt: Checkpoint, config: dict[str, Any] | None) -> list[Found]:
     """The pairs of the model classes that best explain the file: of every class whose ties
     are in it, those with the most (T5ForConditionalGeneration's three, not FSMT's one tie of
     encoder to decoder that the same names also satisfy)."""
+    # lazy: the command's start-up loads this module for the ckpt parser
     from tyingspec._src.ckpt.pairs import declared_pairs
 
     recorded = recorded_ties(ckpt)

@@ -27,7 +27,7 @@ import numpy as np
 
 from tyingspec._src.core.errors import TyingspecError
 from tyingspec._src.core.findings import Finding
-from tyingspec._src.core.tolerance import Precision, least_precise
+from tyingspec._src.core.tolerance import Precision, least_precise, numpy_dtype
 
 
 class AdapterError(TyingspecError):
@@ -61,8 +61,6 @@ def to_numpy(value: Any) -> np.ndarray:
         t = value.detach().cpu()
         if str(getattr(t, "dtype", "")) == "torch.bfloat16":  # numpy has no bfloat16 of its own
             import torch
-
-            from tyingspec._src.core.tolerance import numpy_dtype
 
             # ml_dtypes' bfloat16 has torch's bit layout: the bits copied once, not through a
             # float32 array twice the size (2.1 GB for a dE at Llama-3's head)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tyingspec._src.core import memory
+from tyingspec._src.core.options import byte_text
 from tyingspec._src.core.paths import (
     Array,
     IntArray,
@@ -476,7 +477,6 @@ def memory_problem(V: int, d: int, N: int, available: int | None, precision: str
     """Why a case of ``kind`` (default: a model) at ``V, d, N`` in ``precision`` cannot run
     here (it needs more memory than ``available`` bytes, by the kind's ``peak_bytes``); None
     when it fits or the available memory is unknown."""
-    from tyingspec._src.core.options import byte_text
 
     need = (model_bytes if kind is None else kind.peak_bytes)(V, d, N, precision)
     if available is None or need <= available:
@@ -593,6 +593,7 @@ def model_reference(batch: Batch, precision: str = "float64") -> Paths:
         paths = closed_form(batch, working_dtype(batch.E.size * batch.tokens.shape[0],
                                                  precision))
     else:
+        # lazy: the sympy reference, only where a shape is small enough to derive
         from tyingspec._src.core.symbolic import symbolic_paths
 
         paths = symbolic_paths(batch.E.astype(np.float64), batch.W.astype(np.float64),

@@ -36,6 +36,7 @@ import numpy as np
 if TYPE_CHECKING:
     import sympy as sp
 
+from tyingspec._src.core.files import atomic_write
 from tyingspec._src.core.paths import Array, Paths, flatten_batch, forward_parts, model_terms
 
 #: Beyond this many entries in E (V*d) the derivation takes seconds per shape; use the closed form.
@@ -104,8 +105,6 @@ def compiled(V: int, d: int, has_bias: bool) -> Callable[..., tuple[Any, ...]]:
             pass
     fn = derived(V, d, has_bias)
     if path is not None:
-        from tyingspec._src.core.files import atomic_write
-
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(str(path), inspect.getsource(fn))

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from tyingspec._src.core.cases import Case
 from tyingspec._src.core.options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT, target_paths
 from tyingspec._src.engine.observe import PrecisionChoice
+from tyingspec._src.engine.warm import WARM
 from tyingspec._src.front.check import check_target
 from tyingspec._src.front.request import CheckRequest
 from tyingspec._src.front.results import CheckReport
@@ -52,8 +53,6 @@ def check(target: str, kind: str | None = None, *, seed: int = 0,
                            compile="inductor" if compile is True else compile or None)
     # the command line's problems, raised: UsageError is a ValueError (and a TyingspecError)
     chosen, _ = request.chosen()
-    from tyingspec._src.engine.warm import WARM
-
     return check_target(target, request.kind_name, seed, chosen, precision=precision,
                         shrink_budget=shrink_budget, timeout=timeout,
                         paths=tuple(paths) if paths is not None else target_paths(),

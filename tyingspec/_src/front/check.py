@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tyingspec._src.core.adapters import AdapterError
-from tyingspec._src.core.cases import Case, batch_problem
+from tyingspec._src.core.cases import Case, at_shape, batch_problem
 from tyingspec._src.core.extras import with_hint
 from tyingspec._src.core.kind import Kind, KindSpec
 from tyingspec._src.core.options import DEFAULT_SHRINK_BUDGET, DEFAULT_TIMEOUT, UsageError
@@ -21,6 +21,7 @@ from tyingspec._src.engine.observe import (
     Observation,
     PrecisionChoice,
     Target,
+    described,
     load,
     observe,
     phases_to,
@@ -96,8 +97,6 @@ def shrink(target: Target, case: Case, label: str, budget: float = DEFAULT_SHRIN
 def proxy_of(case: Case, kind: KindSpec | None = None) -> Case | None:
     """The same case (seed, composition, options) at :data:`PROXY_SHAPE`, where every shape is
     larger; None when the case is already that small or is defined by its shape."""
-    from tyingspec._src.core.cases import at_shape
-
     V, d, N = (min(a, b) for a, b in zip((case.V, case.d, case.N), PROXY_SHAPE))
     if (V, d, N) == (case.V, case.d, case.N) or case.tokens is not None:
         return None
@@ -191,6 +190,7 @@ def run_case(target: Target, case: Case, base_seed: int, *, do_shrink: bool = Tr
     budget.evaluated += cost
     result = result_of(target, obs, base_seed)
     if keep_rows:
+        # lazy: the picture's module loads only when a picture is drawn
         from tyingspec._src.front.html import row_profile
 
         result.rows = row_profile(obs)
@@ -214,8 +214,6 @@ def explicit_batch_problem(target: Target, case: Case) -> str | None:
     problem = batch_problem(case.tokens, case.targets, case.V, ignore_index=ignore)
     if problem is not None or ignore is None or ignore not in (case.targets or ()):
         return problem
-    from tyingspec._src.engine.observe import described
-
     if "ignore_index" not in described(target).get("options", ()):
         return (f"a target of {ignore} is an ignored token, and the kernel declares no "
                 "ignore_index option")

@@ -14,6 +14,7 @@ import textwrap
 
 from tyingspec._src.core.labels import LABELS
 from tyingspec._src.core.render import terminal_width, wrapped
+from tyingspec._src.kinds.table import KINDS, every_builtin
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -257,8 +258,6 @@ def markdown() -> str:
 def examples(label: str) -> list[tuple[str, str, str]]:
     """The built-ins that reach ``label``, each as (name, kind, flags): one per kind, in the
     table's order of kinds (the model kind first: its checks take milliseconds)."""
-    from tyingspec._src.kinds.table import KINDS, every_builtin
-
     found: dict[str, tuple[str, str, str]] = {}
     for impl in every_builtin().values():
         if impl.expected != label:

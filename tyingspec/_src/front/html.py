@@ -26,6 +26,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tyingspec._src.core.diagnosis import Diagnosis
+from tyingspec._src.core.extras import hint_text
+from tyingspec._src.core.files import atomic_write
+from tyingspec._src.core.render import exact_cell, no_addresses, rows_text
+from tyingspec._src.front.results import render_verdict
 
 if TYPE_CHECKING:
     from tyingspec._src.engine.observe import Observation
@@ -228,8 +232,6 @@ _HEAD = {"correct": "ok", "no_power": "NO POWER", "wrong": "WRONG",
 
 
 def _case_html(r: CaseResult) -> list[str]:
-    from tyingspec._src.core.render import exact_cell, no_addresses, rows_text
-
     head = _HEAD[r.status]
     out = [f'<section class="case" data-case="{html.escape(r.case.name)}" '
            f'data-status="{r.status}">',
@@ -257,8 +259,6 @@ def _case_html(r: CaseResult) -> list[str]:
 
 def document(report: CheckReport) -> str:
     """The whole report as one HTML page: the verdict, a legend, each case and its rows."""
-    from tyingspec._src.front.results import render_verdict
-
     legend = "".join(f'<span style="background:{COLOURS[c]}"></span>{c}' for c in
                      (*CLASSES, "wrong"))
     body = [f"<h1>tyingspec check {html.escape(report.target)} --kind "
@@ -289,16 +289,12 @@ def write(report: CheckReport, path: str | Path) -> list[str]:
     """Write the HTML to ``path`` and the PNG beside it (see :func:`png_path`), atomically;
     the lines to print about them.  Without matplotlib the PNG is left out, with a note, never
     an error (raises OSError when a file cannot be written)."""
-    from tyingspec._src.core.files import atomic_write
-
     atomic_write(str(path), document(report))
     lines = [f"rows drawn: {path}"]
     png = png_path(path)
     try:
         import matplotlib
     except ImportError:
-        from tyingspec._src.core.extras import hint_text
-
         return lines + [f"{png} not drawn: matplotlib is not installed "
                         f"({hint_text('matplotlib')})"]
     matplotlib.use("Agg")  # a file, never a window

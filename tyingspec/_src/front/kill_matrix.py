@@ -31,10 +31,12 @@ from typing import Any
 
 from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.cases import Case
+from tyingspec._src.core.files import OutputError, atomic_write, usable_output
 from tyingspec._src.core.kind import Implementation, KindSpec
-from tyingspec._src.core.options import positive_int
+from tyingspec._src.core.options import UsageError, positive_int
 from tyingspec._src.core.options import seed as option_seed
-from tyingspec._src.kinds.table import KIND_NAMES
+from tyingspec._src.kinds.table import KIND_NAMES, every_builtin, kind_spec
+from tyingspec._src.kinds.table import KINDS as TABLE
 
 SCHEMA = "tyingspec.mutants/1"
 KINDS = KIND_NAMES
@@ -181,8 +183,9 @@ def run_property(prop: Any, impl: Implementation, kind: str, *, max_examples: in
     from hypothesis.errors import Flaky, Unsatisfiable, UnsatisfiedAssumption
     from hypothesis.strategies import SearchStrategy
 
+    # lazy: every command's start-up builds this module's parser: the engine, the check
+    # and hypothesis (the properties) stay out of it
     from tyingspec._src.engine.observe import load
-    from tyingspec._src.kinds.table import kind_spec
     from tyingspec.properties import PropertyFailure, label_locked
 
     _reset(kind_spec(kind))
@@ -200,8 +203,6 @@ def run_property(prop: Any, impl: Implementation, kind: str, *, max_examples: in
             counts["examples"] += 1
             raise
         counts["examples"] += 1
-
-    from tyingspec._src.kinds.table import kind_spec
 
     # a model's batch shape is its own (torch): shrinking the drawn case cannot shrink the
     # batch, only re-run the model on other tokens
@@ -239,6 +240,8 @@ def run_property(prop: Any, impl: Implementation, kind: str, *, max_examples: in
 
 
 def _first_failure(exc: BaseException) -> Any:
+    # lazy: every command's start-up builds this module's parser: the engine, the check
+    # and hypothesis (the properties) stay out of it
     from tyingspec.properties import PropertyFailure
 
     if isinstance(exc, PropertyFailure):
@@ -262,8 +265,9 @@ def run_row(impl: Implementation, kind: str, *, max_examples: int,
     """Every applicable property against one implementation of one kind; with
     ``first_kill``, a mutant's properties stop at the first that kills it (the rest are listed
     in ``Row.not_run``).  A correct implementation runs every property either way."""
+    # lazy: every command's start-up builds this module's parser: the engine, the check
+    # and hypothesis (the properties) stay out of it
     from tyingspec._src.front.check import check_target
-    from tyingspec._src.kinds.table import kind_spec
     from tyingspec.properties import for_kind
 
     wanted = None if properties is None else set(properties)
@@ -285,7 +289,6 @@ def run_row(impl: Implementation, kind: str, *, max_examples: int,
 def targets(kinds: Sequence[str] = KINDS, names: Iterable[str] | None = None
             ) -> list[tuple[Implementation, str]]:
     """(implementation, kind) pairs to run: every registry entry in every kind it has."""
-    from tyingspec._src.kinds.table import every_builtin, kind_spec
 
     pairs: list[tuple[Implementation, str]] = []
     shared = every_builtin()
@@ -304,6 +307,8 @@ def kill_matrix(*, kinds: Sequence[str] = KINDS, max_examples: int = DEFAULT_MAX
     """Run the properties against every mutant (each row up to its first kill unless
     ``full``) and every property against every correct implementation, the rows in ``jobs``
     processes; ``progress(done, total, row, elapsed)`` is called after each row."""
+    # lazy: every command's start-up builds this module's parser: the engine, the check
+    # and hypothesis (the properties) stay out of it
     from tyingspec.properties import PROPERTIES
 
     t0 = time.perf_counter()
@@ -332,8 +337,6 @@ def kill_matrix(*, kinds: Sequence[str] = KINDS, max_examples: int = DEFAULT_MAX
 def _row_job(name: str, kind: str, max_examples: int, seed: int | None, full: bool) -> Row:
     """One row in a pool process: the implementation looked up there by name (built-ins only:
     the pool does not see registry entries added at run time)."""
-    from tyingspec._src.kinds.table import kind_spec
-
     return run_row(kind_spec(kind).builtins()[name], kind, max_examples=max_examples,
                    seed=seed, first_kill=not full)
 
@@ -346,8 +349,6 @@ def _rows_in_processes(todo: Sequence[tuple[Implementation, str]], jobs: int,
     rows it runs next."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    from tyingspec._src.kinds.table import kind_spec
 
     # the rows of kinds that import a framework (torch, jax) first: they cost the most, and a
     # long row started last would run alone while the other processes sit idle
@@ -416,7 +417,6 @@ def render(report: PowerReport) -> str:
 
 
 def _mutant_name(text: str) -> str:
-    from tyingspec._src.kinds.table import every_builtin
 
     known = set(every_builtin())
     if text not in known:
@@ -476,7 +476,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 def _nothing_to_run(names: Sequence[str], kinds: Sequence[str]) -> str:
     """Why ``--only NAMES`` selects no (implementation, kind) pair under ``kinds``."""
-    from tyingspec._src.kinds.table import KINDS as TABLE
 
     have: dict[str, list[str]] = {}
     for k, spec in TABLE.items():
@@ -495,8 +494,8 @@ def _require_extras(pairs: Sequence[tuple[Implementation, str]], every_kind: boo
     """What the rows import, before the run, not after the first hour of it: each kind's own
     module (torch for the torch and distributed zoos, jax for the jax one) and what a built-in
     needs beyond its kind (the torch-form linear-ce built-ins)."""
+    # lazy: every command's start-up builds this module's parser, and needs no extras
     from tyingspec._src.core.extras import require
-    from tyingspec._src.kinds.table import KINDS as TABLE
 
     def needed(impl: Implementation, kind: str) -> str | None:
         spec = TABLE[kind]
@@ -518,9 +517,6 @@ def _require_extras(pairs: Sequence[tuple[Implementation, str]], every_kind: boo
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``tyingspec mutants``; returns the exit status (2 for a usage error:
     nothing selected, an unusable --json path, a missing extra; raised as UsageError)."""
-    from tyingspec._src.core.files import OutputError, usable_output
-    from tyingspec._src.core.options import UsageError
-
     kinds = KINDS if args.kind == "all" else (args.kind,)
     # before the run: a --json that cannot be written must not cost the whole matrix
     path = None
@@ -540,8 +536,6 @@ def run(args: argparse.Namespace) -> int:
     print(render(report), flush=True)
     code = 0 if report.ok else 1
     if path is not None:
-        from tyingspec._src.core.files import atomic_write
-
         try:
             atomic_write(path, json.dumps(report.as_dict(), indent=2) + "\n")
         except OSError as exc:
@@ -553,7 +547,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tyingspec._src.front.kill_matrix``: the same as ``tyingspec mutants``."""
-    from tyingspec._src.core.options import UsageError
 
     parser = argparse.ArgumentParser(prog="tyingspec mutants")
     configure_parser(parser)

@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tyingspec._src.core.options import UsageError, target_paths
+from tyingspec._src.core.cases import at_shape, batch_problem, memory_problem
+from tyingspec._src.core.extras import require, target_imports
+from tyingspec._src.core.options import UsageError, available_memory, target_paths
+from tyingspec._src.kinds.table import DEFAULT_KIND, kind_spec
+from tyingspec._src.kinds.table import builtin_kind as table_kind
 
 if TYPE_CHECKING:
     from tyingspec._src.core.cases import Case
@@ -27,9 +31,6 @@ __all__ = ["CheckRequest", "builtin_kind", "flagged"]
 def builtin_kind(target: str) -> str:
     """The kind ``tyingspec check TARGET`` runs without --kind: a built-in's own (the first
     that has it: model before kernel; a torch or linear-ce zoo name its zoo's), else model."""
-    from tyingspec._src.kinds.table import DEFAULT_KIND
-    from tyingspec._src.kinds.table import builtin_kind as table_kind
-
     if ":" in target:
         return DEFAULT_KIND
     return table_kind(target) or DEFAULT_KIND
@@ -107,8 +108,6 @@ class CheckRequest:
     def plan(self) -> Plan:
         """The options applied in the command line's order: a problem at one step stops the
         steps that take its cases (a case named, then left out by --shape, is told why)."""
-        from tyingspec._src.kinds.table import kind_spec
-
         try:
             spec = kind_spec(self.kind_name)
         except ValueError as exc:
@@ -167,9 +166,6 @@ class CheckRequest:
                   ) -> tuple[list[Case], str | None]:
         if self.shape is None:
             return cases, None
-        from tyingspec._src.core.cases import at_shape, memory_problem
-        from tyingspec._src.core.options import available_memory
-
         V, d, N = self.shape
         # a model with a shape of its own (a torch model) keeps its V and d, checked against
         # the model once it is loaded, and takes N as its batch x sequence
@@ -207,8 +203,6 @@ class CheckRequest:
                ) -> tuple[list[Case], str | None]:
         if self.tokens is None or self.targets is None:
             return cases, None
-        from tyingspec._src.core.cases import batch_problem
-
         # a kind with its own shape (a torch model's vocabulary) has its token ids checked
         # once the model is loaded (front.check.check_target)
         if not spec.own_shape:
@@ -223,9 +217,6 @@ class CheckRequest:
         """Before anything runs: the extras this check needs are installed (else a usage error
         naming the ``pip install``).  What is imported deeper down is caught by the CLI's
         ``main``; the API leaves it to the report (an adapter error)."""
-        from tyingspec._src.core.extras import require
-        from tyingspec._src.kinds.table import kind_spec
-
         target, kind, precision = self.target, self.kind_name, self.precision
         spec = kind_spec(kind)
         if spec.needs is not None:  # a transformers model without torch: both extras at once
@@ -241,9 +232,6 @@ class CheckRequest:
 
 def _target_imports(target: str, kind: str) -> frozenset[str]:
     """The modules ``target`` imports, read from its source (a built-in's from its factory)."""
-    from tyingspec._src.core.extras import target_imports
-    from tyingspec._src.kinds.table import kind_spec
-
     impl = None if ":" in target else kind_spec(kind).builtins().get(target)
     return target_imports(target, target_paths(), impl and impl.adapter(kind))
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 
-from tyingspec._src.core.options import DEFAULT_TIMEOUT
+from tyingspec._src.core.options import DEFAULT_TIMEOUT, available_memory
 
 if TYPE_CHECKING:
     from tyingspec._src.core.cases import Case
@@ -92,6 +92,7 @@ def _make_test(prop: Property, chosen: settings, replay: Case | None,
                tally: dict[str, int]) -> Callable[..., None]:
     from hypothesis.errors import UnsatisfiedAssumption
 
+    # lazy: numpy (cases, adapters, observe) and the properties, not in the xdist controller
     from tyingspec._src.core.adapters import AdapterError
     from tyingspec.properties import PropertyFailure, label_locked
 
@@ -125,6 +126,7 @@ def build_module(spec: str, kind: KindSpec, profile: str, max_examples: int | No
                  ) -> types.ModuleType:
     """A module object holding the session fixture ``tyingspec_target`` and one test per
     property (only the replayed one with ``replay``)."""
+    # lazy: numpy (cases, adapters, observe) and the properties, not in the xdist controller
     from tyingspec._src.engine.observe import load
     from tyingspec.properties import PROPERTIES
 
@@ -177,6 +179,7 @@ REPLAY_REQUIRED = ("V", "d", "N", "seed")
 def format_replay(prop: str, case: Case) -> str:
     """``PROPERTY key=value ...``: V, d, N, seed and every other field of ``case`` (its name
     aside) that differs from its default; :func:`parse_replay` fills the defaults back in."""
+    # lazy: numpy (cases, adapters, observe) and the properties, not in the xdist controller
     from tyingspec._src.core.cases import Case
 
     parts = [prop] + [f"{f.name}={_format_value(getattr(case, f.name))}"
@@ -219,6 +222,7 @@ def _parse_value(key: str, annotation: str, text: str) -> object:
 
 def parse_replay(text: str) -> tuple[str, Case]:
     """Inverse of :func:`format_replay`; raises ValueError naming the bad part."""
+    # lazy: numpy (cases, adapters, observe) and the properties, not in the xdist controller
     from tyingspec._src.core.cases import Case
 
     prop, *pairs = text.split()
@@ -242,14 +246,13 @@ def replay_problem(kind: KindSpec, case: Case) -> str | None:
     broken kernel passes, and a token beyond V is a traceback inside the adapter.  A torch
     model's vocabulary is known only once it is loaded: its token ids are checked then
     (:func:`replay_problem_at`)."""
+    # lazy: numpy (cases, adapters, observe) and the properties, not in the xdist controller
     from tyingspec._src.core.cases import (
         COMPOSITIONS,
         SHAPED_COMPOSITIONS,
         batch_problem,
         memory_problem,
     )
-    from tyingspec._src.core.options import available_memory
-
     small = [f"{k}={getattr(case, k)}" for k in ("V", "d", "N") if getattr(case, k) < 1]
     if small:
         return f"{', '.join(small)}: V, d and N must be >= 1"
@@ -284,6 +287,7 @@ def replay_problem_at(target: Target, case: Case) -> str | None:
     """What :func:`replay_problem` can only check with the target loaded: the token ids at
     its own shape (a torch model's V), and that a linear-ce kernel declares each option the
     replay sets (a property would otherwise drop it from the case, silently)."""
+    # lazy: numpy (cases, adapters, observe) and the properties, not in the xdist controller
     from tyingspec._src.core.cases import batch_problem
     from tyingspec._src.engine.observe import own_case, runnable
 

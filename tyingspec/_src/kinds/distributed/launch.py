@@ -307,6 +307,7 @@ def _warm() -> None:
     would otherwise import again on its own."""
     import torch._dynamo  # noqa: F401
 
+    # lazy: imported once, before the first fork, not whenever the launcher loads
     import tyingspec._src.kinds.distributed.models  # noqa: F401  (the built-ins' code)
 
 

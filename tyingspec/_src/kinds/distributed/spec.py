@@ -21,6 +21,7 @@ from tyingspec._src.core.tolerance import Terms
 
 
 def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
+    # lazy: the kind table loads this spec without torch; the adapter imports it
     from tyingspec._src.kinds.distributed.adapter import (
         call_distributed,  # imports torch: only where the ranks run
     )
@@ -50,6 +51,7 @@ def _signature(fn: Callable[..., Any]) -> str | None:
 
 
 def _builtins() -> dict[str, Implementation]:
+    # lazy: the zoo imports torch, needed only when built-ins are listed
     from tyingspec._src.kinds.distributed import zoo as dist_zoo
 
     return zoo("distributed", dist_zoo, dist_zoo.DISTRIBUTED_BUILTINS)

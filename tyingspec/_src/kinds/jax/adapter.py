@@ -27,6 +27,7 @@ from tyingspec._src.core.findings import (
     not_applicable,
     uses_unobserved,
 )
+from tyingspec._src.core.forward_check import Reference, judge_against_forward
 from tyingspec._src.core.process_state import jax_state_kept
 from tyingspec._src.core.tolerance import precision_of, unit_of
 from tyingspec._src.kinds.jax import split
@@ -40,7 +41,9 @@ from tyingspec._src.kinds.jax.discover import (
     discover,
     leaf,
 )
+from tyingspec._src.kinds.jax.identity import identity_findings, optimizer_findings
 from tyingspec._src.kinds.jax.setting import parse
+from tyingspec._src.kinds.jax.shape import fitted, low_dtype
 from tyingspec._src.kinds.jax.split import f64 as _f64
 
 _T = TypeVar("_T")
@@ -203,8 +206,6 @@ def _described(form: Form, tie: Tie, found: Finding, tr: split.Traced) -> Return
     """What the target says of itself: its tie, the largest batch a check runs on it, and the
     lower dtype its table runs in (a case drawn to run it there runs in a declared precision
     instead, as every case does)."""
-    from tyingspec._src.kinds.jax.shape import fitted, low_dtype
-
     B, T, note = fitted(form, tie, tr)
     described = replace(tie, batch_size=B, seq_len=T)
     return Returned(np.zeros((0, 0)), (), _own_precision(tie),
@@ -258,8 +259,6 @@ def _structural(spec: str, form: Form, tie: Tie, group: str, t: Any, y: Any,
                 precision: str, tr: split.Traced) -> list[Finding]:
     key = (spec, group, precision)
     if key not in _STRUCTURAL:
-        from tyingspec._src.kinds.jax.identity import identity_findings, optimizer_findings
-
         run = identity_findings if group == "identity" else optimizer_findings
         _STRUCTURAL[key] = run(spec, form, tie, t, y, tr)
     return _STRUCTURAL[key]
@@ -280,8 +279,6 @@ def _against_forward(form: Form, tie: Tie, t: Any, y: Any, own: np.ndarray, seed
     (:func:`_row_rtol`), JAX's own gradient of the target's forward in its own dtypes (every
     ``custom_vjp`` inlined: the split's two paths), which has the same rounding and no
     backward of the target's."""
-    from tyingspec._src.core.forward_check import Reference, judge_against_forward
-
     params64, loss64 = _memo(form, ("loss64", tie.embedding, tie.head, tie.how),
                              lambda: _loss64(form, tie))
     E0 = np.asarray(leaf(params64, tie.embedding), dtype=np.float64)

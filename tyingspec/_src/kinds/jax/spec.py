@@ -26,6 +26,7 @@ from tyingspec._src.kinds.jax.setting import jax_cases, shape_cases
 
 
 def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
+    # lazy: the kind table loads this spec without jax; the adapter imports it
     from tyingspec._src.kinds.jax.adapter import call_jax  # imports jax: only where it runs
 
     return call_jax(spec, fn, inputs)
@@ -37,6 +38,7 @@ def _reference(batch: Batch, inputs: Inputs, precision: str,
 
 
 def _builtins() -> dict[str, Implementation]:
+    # lazy: the zoo imports jax, needed only when built-ins are listed
     from tyingspec._src.kinds.jax import zoo as jax_zoo
 
     return zoo("jax", jax_zoo, jax_zoo.JAX_BUILTINS)

@@ -394,6 +394,7 @@ def gap(exc: BaseException) -> str | None:
 def _kernel_line(chain: list[BaseException]) -> str:
     """`` (the kernel's line FILE:LINE: CODE)`` of the innermost frame outside triton, numpy
     and tyingspec, if any."""
+    # lazy: only the package's folder is wanted, to tell its frames from the kernel's
     import tyingspec
 
     files = [getattr(m, "__file__", None) for m in (sys.modules.get("triton"), np, tyingspec)]

@@ -355,6 +355,7 @@ def _reference(args: tuple[Any, ...], dt: str, Z: Array | None = None) -> CEResu
     V, d = np.shape(args[1])
     if V * d > SYMBOLIC_CE_ENTRIES or dt != "float64":
         return ref
+    # lazy: the sympy reference, only for the small float64 shapes it is derived at
     from tyingspec._src.kinds.linear_ce.symbolic import symbolic_linear_ce
 
     with np.errstate(all="ignore"):

@@ -21,6 +21,7 @@ from tyingspec._src.kinds.linear_ce.options import ce_ignore_index, ce_problem
 
 
 def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
+    # lazy: the kind table loads this spec without torch or triton; the adapter may load them
     from tyingspec._src.kinds.linear_ce.adapter import (
         call_linear_ce,  # torch only for a torch-form kernel
     )
@@ -29,6 +30,7 @@ def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
 
 
 def _signature(fn: Callable[..., Any]) -> str | None:
+    # lazy: as above, the adapter only when a target is checked
     from tyingspec._src.kinds.linear_ce.adapter import signature_problem
 
     return signature_problem(fn)
@@ -52,6 +54,7 @@ def _unfit(described: dict[str, Any], case: Case) -> str | None:
 
 
 def _builtins() -> dict[str, Implementation]:
+    # lazy: the zoo's torch-form kernels are built only when built-ins are listed
     from tyingspec._src.kinds.linear_ce import zoo as ce_zoo
 
     return zoo("linear-ce", ce_zoo, ce_zoo.LINEAR_CE_BUILTINS)
@@ -59,6 +62,7 @@ def _builtins() -> dict[str, Implementation]:
 
 def _builtin_needs(name: str) -> str | None:
     # a built-in of the linear-ce kind can be a torch module (its numpy twins need nothing)
+    # lazy: the zoo is read only for a built-in's name, never at the table's load
     from tyingspec._src.kinds.linear_ce.zoo import LINEAR_CE_BUILTINS
 
     builtin = LINEAR_CE_BUILTINS.get(name)

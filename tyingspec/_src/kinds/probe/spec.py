@@ -77,6 +77,7 @@ def kernel_bytes(V: int, d: int, N: int, precision: str = "float64") -> int:
 
 
 def _builtins() -> dict[str, Implementation]:
+    # lazy: loading the built-ins loads the mutant zoo, which a plain check never needs
     from tyingspec._src.kinds.probe.builtins import (
         builtins,  # only a built-in name loads the zoo
     )
@@ -85,7 +86,8 @@ def _builtins() -> dict[str, Implementation]:
 
 
 def _reset() -> None:
-    from tyingspec._src.kinds.probe.mutants import reset_state  # only a kill matrix loads them
+    # lazy: only a kill matrix loads the mutants
+    from tyingspec._src.kinds.probe.mutants import reset_state
 
     reset_state()
 

@@ -43,6 +43,7 @@ from tyingspec._src.core.forward_check import judge_against_forward
 from tyingspec._src.core.process_state import torch_state_kept
 from tyingspec._src.core.tolerance import UNIT_ROUNDOFF, Precision, precision_of, unit_of
 from tyingspec._src.kinds.torch.batch import TorchBatch, make_batch, model_device
+from tyingspec._src.kinds.torch.budget import fitted
 from tyingspec._src.kinds.torch.discover import (
     Loss,
     Tie,
@@ -55,10 +56,26 @@ from tyingspec._src.kinds.torch.discover import (
     model_sources,
     owner,
 )
+from tyingspec._src.kinds.torch.identity import identity_findings, optimizer_findings
 from tyingspec._src.kinds.torch.setting import Setting, parse
-from tyingspec._src.kinds.torch.step import lower, observed_arrays, one_copy, path_factors
-from tyingspec._src.kinds.torch.tables import renormalising
+from tyingspec._src.kinds.torch.step import (
+    CHECK,
+    Loop,
+    invariant,
+    lower,
+    observed_arrays,
+    one_copy,
+    path_factors,
+    run_loop,
+)
+from tyingspec._src.kinds.torch.tables import (
+    frozen_table,
+    renormalised_rows,
+    renormalising,
+    tied_grad,
+)
 from tyingspec._src.kinds.torch.target import TorchTarget
+from tyingspec._src.kinds.torch.uses import TorchUnsupported, observed_uses
 
 if TYPE_CHECKING:
     from tyingspec._src.kinds.torch.uses import Uses
@@ -85,8 +102,6 @@ def _numpy(t: torch.Tensor | None, shape: tuple[int, ...]) -> np.ndarray:
 def call_torch(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     """Describe the model (``inputs["mode"] == "describe"``) or observe it on a batch; the
     process's torch state is as it was afterwards (see :mod:`core.process_state`)."""
-    from tyingspec._src.kinds.torch.uses import TorchUnsupported
-
     with torch_state_kept():
         try:
             return _call(spec, fn, inputs)
@@ -107,8 +122,6 @@ def _call(spec: str, fn: Any, inputs: Mapping[str, Any]) -> Returned:
     model = build.fresh()
     tie, found = describe(spec, model, target)
     if inputs.get("mode") == "describe":
-        from tyingspec._src.kinds.torch.budget import fitted
-
         tie, note = fitted(build, tie)
         return Returned(np.zeros((0, 0)), (), build.precision,
                         evidence={"tie": asdict(tie), "shape_note": note,
@@ -400,8 +413,6 @@ def _structural(spec: str, target: TorchTarget, seed: int, tie: Tie, group: str,
     models at the run's precision (``dtype``: the one asked for, else each model's own)."""
     key = (spec, f"{group} at {dtype}")
     if key not in _STRUCTURAL:
-        from tyingspec._src.kinds.torch.identity import identity_findings, optimizer_findings
-
         def factory() -> nn.Module:
             return build_model(spec, target, seed)
 
@@ -463,8 +474,6 @@ def _backward(m: nn.Module, loss_of: Loss, b: TorchBatch, scale: float = 1.0) ->
 
 
 def _grad(m: nn.Module, tie: Tie) -> np.ndarray:
-    from tyingspec._src.kinds.torch.tables import tied_grad
-
     # a parametrized table's gradient is dL/dW, where its uses read it (see kinds.torch.tables)
     return _numpy(tied_grad(m, tie.embedding), (tie.vocab, tie.width))
 
@@ -473,8 +482,6 @@ def _observe_paths(build: Build, m: nn.Module, tie: Tie, loss_of: Loss, b: Torch
                    ) -> tuple[dict[str, Any], np.ndarray, float]:
     """The model's own tied gradient, and dx, h, g recorded at every use of the tied
     Parameter (see :mod:`kinds.torch.uses`)."""
-    from tyingspec._src.kinds.torch.uses import observed_uses
-
     E = m.get_parameter(tie.embedding)
     m.zero_grad(set_to_none=True)
     with observed_uses(E) as uses:
@@ -743,8 +750,6 @@ def _forward_model(build: Build, tie: Tie, loss_of: Loss, b: TorchBatch
     """The model the forward check differences, and the dtype its loss is really computed
     in: a float64 build where the model converts and runs in float64 (central
     differences are far sharper there), else the model in the dtype it trains in."""
-    from tyingspec._src.kinds.torch.uses import observed_uses
-
     for dtype in (torch.float64, None):
         try:
             m = build.fresh(dtype)
@@ -781,8 +786,6 @@ def _differenced(m: nn.Module, loss_dtype: torch.dtype | None, dtype: torch.dtyp
                  check: str, invariant: str, *, output_reached: bool = True) -> Finding:
     """``own`` against directional differences of ``m``'s loss, computed in ``loss_dtype``
     (``dtype``: what ``own`` was computed in), judged by :mod:`core.forward_check`."""
-    from tyingspec._src.kinds.torch.tables import frozen_table, renormalised_rows
-
     E = frozen_table(m, tie.embedding)  # a parametrized table: W, held fixed from here on
     e_scale = float(E.detach().double().std()) or 1.0
 
@@ -875,8 +878,6 @@ def _micro_batches(build: Build, tie: Tie, loss_of: Loss, b: TorchBatch, unit: f
     invariant = _MICRO
     micro = setting.micro
     if observed:
-        from tyingspec._src.kinds.torch.step import Loop, run_loop
-
         # one sequence: it and its reverse, two micro-batches
         two = b if b.sequences > 1 else _stacked(b, b.flipped())
         k = max(2, min(micro, two.sequences))
@@ -960,8 +961,6 @@ def _training_steps(build: Build, target: TorchTarget, tie: Tie, loss_of: Loss,
     the user's step or the check's own.  Where a step's uses cannot be observed (a lookup
     that switched to a custom kernel), that step's gradient is judged against the stepped
     model's own forward instead."""
-    from tyingspec._src.kinds.torch.step import CHECK, Loop, invariant, run_loop
-
     def objective(m: nn.Module, bb: TorchBatch) -> torch.Tensor:
         # what the default step trains: the mean of its micro-batches' losses
         parts = bb.split(setting.micro)

@@ -28,6 +28,7 @@ from tyingspec._src.kinds.torch.tables import (
     unchanged_tables,
 )
 from tyingspec._src.kinds.torch.target import TorchTarget
+from tyingspec._src.kinds.torch.uses import observed_uses
 
 #: The invariant the discovery check guards.
 ONE_PARAMETER = "the embedding and the head are one Parameter with one storage"
@@ -454,8 +455,6 @@ def _tie_by_uses(model: nn.Module, target: TorchTarget) -> str | None:
     """The name of an embedding's weight that one forward both looks up and scores with (a
     functional head, ``logits = x @ wte.weight.T``, or torchtune's ``TiedLinear``, which hold
     the Parameter under one name); None when no weight is used both ways."""
-    from tyingspec._src.kinds.torch.uses import observed_uses
-
     candidates = lookup_tables(model)  # a parametrized one by the Parameter it is made from
     for name, weight in candidates:
         called = _called(model, target, name, int(weight.shape[0]), int(weight.shape[1]))

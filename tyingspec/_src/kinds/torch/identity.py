@@ -34,9 +34,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from tyingspec._src.core.adapters import AdapterError
 from tyingspec._src.core.diagnosis import Label
 from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
 from tyingspec._src.core.tolerance import epsilon_of, smallest_normal
+from tyingspec._src.kinds.torch.tables import table_parameters
 
 Retie = Callable[[nn.Module], None]
 
@@ -321,8 +323,6 @@ def optimizer_findings(factory: Callable[[], nn.Module], embedding: str, head: s
         except Exception as exc:  # a crash is reported, not propagated
             if build is optimizer:
                 # the user's own optimizer failing is never a pass: an adapter error (exit 2)
-                from tyingspec._src.core.adapters import AdapterError
-
                 raise AdapterError(spec, "the target's optimizer raised", key="optimizer",
                                    got=_raised(exc)) from exc
             findings.append(not_applicable(check, _ONCE, f"the check raised {_raised(exc)}"))
@@ -332,8 +332,6 @@ def optimizer_findings(factory: Callable[[], nn.Module], embedding: str, head: s
 def _one_optimizer(check: str, build: Callable[[nn.Module], torch.optim.Optimizer],
                    factory: Callable[[], nn.Module], embedding: str, head: str,
                    loss_of: Callable[[nn.Module], torch.Tensor]) -> Finding:
-    from tyingspec._src.kinds.torch.tables import table_parameters
-
     model = factory()
     untied = _untied(model, embedding, head)
     if untied is not None:

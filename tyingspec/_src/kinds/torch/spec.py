@@ -30,6 +30,7 @@ from tyingspec._src.kinds.torch.setting import (
 
 
 def _invoke(spec: str, fn: Callable[..., Any], inputs: Inputs) -> Returned:
+    # lazy: the kind table loads this spec without torch; the adapter imports it
     from tyingspec._src.kinds.torch.adapter import (
         call_torch,  # imports torch: only where a torch target runs
     )
@@ -43,6 +44,7 @@ def _reference(batch: Batch, inputs: Inputs, precision: str,
 
 
 def _builtins() -> dict[str, Implementation]:
+    # lazy: the zoo imports torch and transformers, needed only when built-ins are listed
     from tyingspec._src.kinds.torch import zoo as torch_zoo
 
     return zoo("torch", torch_zoo, torch_zoo.TORCH_BUILTINS)

@@ -42,7 +42,9 @@ from tyingspec._src.core.findings import Finding, failed, not_applicable, passed
 from tyingspec._src.core.tolerance import epsilon_of
 from tyingspec._src.kinds.torch.batch import TorchBatch, model_device
 from tyingspec._src.kinds.torch.discover import Loss, Tie
+from tyingspec._src.kinds.torch.tables import tied_grad_of
 from tyingspec._src.kinds.torch.target import StepBatch, TorchTarget
+from tyingspec._src.kinds.torch.uses import Uses, observed_uses
 
 CHECK = "gradient at every training step"
 
@@ -127,8 +129,6 @@ class _Watch:
 
 def _grads(model: nn.Module, E: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The tied gradient to judge and the one the optimizer steps ``E`` with, copied."""
-    from tyingspec._src.kinds.torch.tables import tied_grad_of
-
     judged = tied_grad_of(model, E)
     return (None if judged is None else judged.detach().clone(),
             None if E.grad is None else E.grad.detach().clone())
@@ -362,8 +362,6 @@ def _one_step(run: Callable[[nn.Module, Any, TorchBatch], None], model: nn.Modul
               ) -> tuple[_Seen, Any]:
     """One step of ``run``: what it left (see :class:`_Watch`), and the uses it took when
     ``observe``."""
-    from tyingspec._src.kinds.torch.uses import Uses, observed_uses
-
     watch = _Watch(model, E, optimizer)
     uses = Uses()
     try:
