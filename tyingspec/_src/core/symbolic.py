@@ -133,8 +133,9 @@ def _saved_namespace(code: CodeType) -> dict[str, Any]:
     """What a saved source runs with: numpy's functions of the names it uses (sympy's numpy
     printer writes numpy's names, ``tanh``, ``exp``, ``log``: the namespace above takes them
     from ``numpy``), or, for a name numpy lacks, sympy's own namespace."""
-    namespace = {n: getattr(np, n) for n in set(_names(code)) if hasattr(np, n)}
-    if set(_names(code)) - namespace.keys() - set(dir(builtins)) - {"_lambdifygenerated"}:
+    names = set(_names(code))
+    namespace = {n: getattr(np, n) for n in names if hasattr(np, n)}
+    if names - namespace.keys() - set(dir(builtins)) - {"_lambdifygenerated"}:
         return dict(_numpy_namespace())
     return namespace
 
