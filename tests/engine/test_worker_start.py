@@ -143,3 +143,39 @@ def test_the_worker_gets_the_scripts_sys_path_and_working_directory(tmp_path: Pa
     script = _write(tmp_path, "check_hidden.py",
                     SYS_PATH.format(runs=str(tmp_path / "runs"), lib=str(lib)))
     _ran_once(tmp_path, _run(work, str(script)), "verdict: correct")
+
+
+WHERE = '''
+import numpy as np
+from tyingspec._src.core.process_state import in_worker
+
+
+def f(E, W, b, tokens, targets, *, res, s_in):
+    with open({out!r}, "a") as fh:
+        fh.write(f"{{in_worker()}}\\n")
+    return {{"loss": 0.0, "dE": np.zeros_like(E), "dW": np.zeros_like(W),
+             "db": None if b is None else np.zeros_like(b)}}
+'''
+
+
+def test_a_worker_knows_it_is_one_and_the_users_process_does_not(tmp_path: Path) -> None:
+    """``core.process_state.in_worker``: what lets a kind set a process-wide option (the jax
+    kind's XLA flags) in a worker only; a check run in the user's own process must see False."""
+    from tyingspec._src.core.cases import standard_cases
+    from tyingspec._src.core.process_state import in_worker
+    from tyingspec._src.engine.observe import load, observe
+
+    out = tmp_path / "where.txt"
+    (tmp_path / "where_target.py").write_text(WHERE.format(out=str(out)))
+    case = standard_cases(0)[0]
+    for isolate in (True, False):
+        sys.path.insert(0, str(tmp_path))
+        try:
+            target = load("where_target:f", "model", isolate=isolate,
+                          paths=(str(tmp_path),))
+            observe(target, case)
+        finally:
+            sys.path.remove(str(tmp_path))
+            sys.modules.pop("where_target", None)
+    assert out.read_text().split() == ["True", "False"]
+    assert not in_worker()

@@ -388,15 +388,16 @@ def test_a_worker_compiles_cheaply_unless_the_user_set_the_flag(
     backend has started (XLA would not read them)."""
     from jax._src import xla_bridge
 
+    from tyingspec._src.core.process_state import WORKER_ENV
     from tyingspec._src.kinds.jax import adapter
 
     user = "--xla_backend_optimization_level=2 --xla_dump_to=/tmp/x"
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     monkeypatch.setenv("XLA_FLAGS", user)
-    monkeypatch.delenv("TYINGSPEC_CALL_TIMEOUT", raising=False)
+    monkeypatch.delenv(WORKER_ENV, raising=False)
     adapter._cheap_compiles()
     assert os.environ["XLA_FLAGS"] == user  # the user's own process: untouched
-    monkeypatch.setenv("TYINGSPEC_CALL_TIMEOUT", "120")
+    monkeypatch.setenv(WORKER_ENV, "1")
     adapter._cheap_compiles()
     assert os.environ["XLA_FLAGS"] == f"--xla_llvm_disable_expensive_passes=true {user}"
     monkeypatch.setenv("XLA_FLAGS", user)

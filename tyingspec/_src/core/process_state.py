@@ -12,9 +12,20 @@ in a worker changes only the worker.  torch and JAX are imported when a call nee
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
-__all__ = ["jax_state_kept", "torch_state_kept"]
+__all__ = ["WORKER_ENV", "in_worker", "jax_state_kept", "torch_state_kept"]
+
+#: Set in the environment of the worker process a target runs in (``engine.isolation.launch``):
+#: a process-wide setting that would outlive a check in the user's own process may be made
+#: there and only there.
+WORKER_ENV = "TYINGSPEC_WORKER"
+
+
+def in_worker() -> bool:
+    """Whether this process is a worker tyingspec started for a target (not the user's)."""
+    return os.environ.get(WORKER_ENV) == "1"
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from tyingspec._src.core.options import DEFAULT_TIMEOUT
+from tyingspec._src.core.process_state import WORKER_ENV
 from tyingspec._src.engine.isolation.processes import (
     _LIVE,
     _kill,
@@ -53,8 +54,9 @@ def _start(spec: str, kind: str, paths: tuple[str, ...],
              str(-1 if tracker is None else tracker), *where],
             stdin=subprocess.DEVNULL, pass_fds=fds,
             # the call's budget, for a kind that must end its own processes within it (the
-            # distributed kind names the rank that hung before this timeout ends the worker)
-            env={**os.environ, "TYINGSPEC_CALL_TIMEOUT": f"{timeout:g}"},
+            # distributed kind names the rank that hung before this timeout ends the worker),
+            # and the mark of a worker (core.process_state.in_worker)
+            env={**os.environ, "TYINGSPEC_CALL_TIMEOUT": f"{timeout:g}", WORKER_ENV: "1"},
             # a group of its own from the start, which no Ctrl-C of the terminal reaches;
             # _kill can end it (and what the target forks) before the worker has run a line
             process_group=0)

@@ -28,7 +28,7 @@ from tyingspec._src.core.findings import (
     uses_unobserved,
 )
 from tyingspec._src.core.forward_check import Reference, judge_against_forward
-from tyingspec._src.core.process_state import jax_state_kept
+from tyingspec._src.core.process_state import in_worker, jax_state_kept
 from tyingspec._src.core.tolerance import precision_of, unit_of
 from tyingspec._src.kinds.jax import split
 from tyingspec._src.kinds.jax.discover import (
@@ -112,7 +112,7 @@ def _cheap_compiles() -> None:
     """:data:`CHEAP_COMPILES` in ``XLA_FLAGS``, each the user has not set, in a worker whose
     JAX backend has not started yet (XLA reads the flags then); never in the user's own
     process (an in-process check, the plugin's), where they would outlive the check."""
-    if "TYINGSPEC_CALL_TIMEOUT" not in os.environ:  # set for a worker only (isolation.launch)
+    if not in_worker():
         return
     from jax._src import xla_bridge
 
