@@ -239,6 +239,49 @@ def _decided(result: CaseResult, seen: set[str]) -> bool:
     return seen >= set(PATHS)
 
 
+def _cases_to_run(target: Target, cases: list[Case], report: CheckReport) -> list[Case]:
+    """``cases`` as the target takes them (its notes on what it left out go to ``report``);
+    UsageError when none is left or one's explicit batch does not fit."""
+    cases, report.notes = shaped(target, cases)
+    if not cases:
+        # every case left out by the target itself (a torch model's shape, a linear-ce
+        # kernel's options): zero cases is no verdict, and "correct" would pass a CI gate
+        # that checked nothing
+        raise UsageError("no case left to run, so there is no verdict: "
+                         + "; ".join(report.notes))
+    for case in cases:
+        problem = explicit_batch_problem(target, case)
+        if problem is not None:
+            raise UsageError(f"case {case.name}: {problem}")
+    return cases
+
+
+def _run_cases(target: Target, cases: list[Case], report: CheckReport, seed: int, *,
+               shrink_budget: float, on_result: Any, progress: Progress | None, quick: bool,
+               keep_rows: bool) -> None:
+    """Each case in turn into ``report`` (``quick``: until every path has been seen)."""
+    # a model's batch shape is its own: a smaller batch is not one it takes
+    do_shrink = not target.kind.own_shape
+    budget = ShrinkBudget(shrink_budget)
+    checks = target.kind.quick_checks if quick else None
+    seen: set[str] = set()
+    for index, case in enumerate(cases, 1):
+        if progress is not None:
+            progress.case_started(case.name, index, len(cases))
+        t0 = time.monotonic()
+        result = run_case(target, case, seed, shrink_budget=budget, do_shrink=do_shrink,
+                          checks=checks, progress=progress, keep_rows=keep_rows)
+        if progress is not None:
+            progress.case_ended(result.status, time.monotonic() - t0)
+        report.results.append(result)
+        if on_result is not None:
+            on_result(result)
+        if quick and _decided(result, seen):
+            break
+    if quick:
+        report.quick = Quick(len(report.results), len(cases), checks)
+
+
 def check_target(spec: str, kind: Kind | KindSpec, seed: int, cases: list[Case] | None = None, *,
                  precision: PrecisionChoice = "auto", shrink_budget: float = DEFAULT_SHRINK_BUDGET,
                  on_result: Any = None, timeout: float = DEFAULT_TIMEOUT,
@@ -275,40 +318,12 @@ def check_target(spec: str, kind: Kind | KindSpec, seed: int, cases: list[Case] 
         return report
     try:
         try:
-            cases, report.notes = shaped(target, cases)
+            cases = _cases_to_run(target, cases, report)
         except AdapterError as exc:
             report.load_error = with_hint(str(exc))
             return report
-        if not cases:
-            # every case left out by the target itself (a torch model's shape, a linear-ce
-            # kernel's options): zero cases is no verdict, and "correct" would pass a CI gate
-            # that checked nothing
-            raise UsageError("no case left to run, so there is no verdict: "
-                             + "; ".join(report.notes))
-        for case in cases:
-            problem = explicit_batch_problem(target, case)
-            if problem is not None:
-                raise UsageError(f"case {case.name}: {problem}")
-        # a model's batch shape is its own: a smaller batch is not one it takes
-        do_shrink = not target.kind.own_shape
-        budget = ShrinkBudget(shrink_budget)
-        checks = target.kind.quick_checks if quick else None
-        seen: set[str] = set()
-        for index, case in enumerate(cases, 1):
-            if progress is not None:
-                progress.case_started(case.name, index, len(cases))
-            t0 = time.monotonic()
-            result = run_case(target, case, seed, shrink_budget=budget, do_shrink=do_shrink,
-                              checks=checks, progress=progress, keep_rows=keep_rows)
-            if progress is not None:
-                progress.case_ended(result.status, time.monotonic() - t0)
-            report.results.append(result)
-            if on_result is not None:
-                on_result(result)
-            if quick and _decided(result, seen):
-                break
-        if quick:
-            report.quick = Quick(len(report.results), len(cases), checks)
+        _run_cases(target, cases, report, seed, shrink_budget=shrink_budget,
+                   on_result=on_result, progress=progress, quick=quick, keep_rows=keep_rows)
     finally:
         if warm is None:
             target.close()
