@@ -9,8 +9,8 @@ import pytest
 
 from tyingspec._src.core import render as render_module
 from tyingspec._src.core.render import no_addresses, rows_text, terminal_width, wrapped
-from tyingspec._src.front.baseline import EXIT_NO_POWER
 from tyingspec._src.front.cli import main
+from tyingspec._src.front.results import EXIT_NO_POWER
 
 
 @pytest.mark.parametrize("text, expected", [

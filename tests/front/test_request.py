@@ -116,8 +116,8 @@ def test_the_run_and_the_report_are_in_no_cycle_even_a_type_level_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(test_layout, "_imports", _every_import)
     edges = test_layout.graph()
-    tangled = [c for c in test_layout.circles(edges)
-               if {FRONT + "check", FRONT + "report"} & set(c)]
+    # nor is any front module: the results once named the baseline's and the picture's types
+    tangled = [c for c in test_layout.circles(edges) if any(m.startswith(FRONT) for m in c)]
     assert not tangled, tangled
     # the results are what the run and the report share: they import neither
     assert not {FRONT + m for m in ("check", "report", "request", "cli", "api")} & edges[

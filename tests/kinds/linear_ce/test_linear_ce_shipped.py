@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tyingspec._src.core.cases import at_shape
-from tyingspec._src.front.baseline import EXIT_NO_POWER
 from tyingspec._src.front.check import CheckReport, check_target
+from tyingspec._src.front.results import EXIT_NO_POWER
 from tyingspec._src.kinds.linear_ce import kind
 from tyingspec._src.kinds.linear_ce.adapter import supported
 from tyingspec._src.kinds.linear_ce.spec import SPEC

@@ -22,13 +22,13 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tyingspec._src.core.errors import TyingspecError
 from tyingspec._src.core.files import atomic_write, create_exclusive
 
-if TYPE_CHECKING:
-    from tyingspec._src.front.results import CheckReport
+# the exit statuses are the report's: re-exported, the names older code imports from here
+from tyingspec._src.front.results import EXIT_NO_POWER, EXIT_STATUS, CheckReport, no_power_text
 
 SCHEMA = "tyingspec.baseline/1"
 UNITS = ("property", "case")
@@ -42,27 +42,6 @@ FAILING = frozenset({FAILED, ADAPTER_ERROR, ERROR})
 #: ``tyingspec check`` case statuses as baseline verdicts.
 CHECK_STATUS = {"correct": PASSED, "wrong": FAILED, "adapter_error": ADAPTER_ERROR,
                 "no_power": NO_POWER}
-
-#: The exit status of a run in which no case (``tyingspec check``) or no property (the pytest
-#: plugin) had the power to decide: a correct gradient judged where no check could have told
-#: it from a broken one (a float32 model at ``--precision bfloat16``).  Neither 0 (correct) nor
-#: 1 (a wrong gradient, and nothing else), 2 (a usage or adapter error) or 130 (interrupted);
-#: 77, automake's and meson's status for a test that could not decide (a harness shows it as
-#: neither pass nor fail), so that the plugin's run exits with the same status as the command:
-#: pytest's own statuses grow from 0 upward (9.2 added 6, ``MAX_WARNINGS_ERROR``, which an
-#: earlier choice of 6 collided with) and the shell's start at 126.
-EXIT_NO_POWER = 77
-#: ``tyingspec check``'s exit status for each verdict of a run.
-EXIT_STATUS = {"correct": 0, "wrong": 1, "adapter_error": 2, "no_power": EXIT_NO_POWER}
-
-
-def no_power_text(unit: str) -> str:
-    """What a run in which no ``unit`` (case, property) had the power to decide says."""
-    return (f"no {unit} had the power to decide (exit {EXIT_NO_POWER}): a gradient with a "
-            f"path dropped would have passed every {unit} too, so this is neither a pass nor a "
-            "wrong gradient; check at a precision whose rounding bound is below a path (a "
-            "float32 build, --precision float32) or on larger batches")
-
 
 #: What each invariant code of the property suite means (the bug catalogue's names), for the
 #: legend a summary prints under the codes it uses.  A test keeps it in step with every code a

@@ -29,7 +29,7 @@ from tyingspec._src.core.diagnosis import Diagnosis
 from tyingspec._src.core.extras import hint_text
 from tyingspec._src.core.files import atomic_write
 from tyingspec._src.core.render import exact_cell, no_addresses, rows_text
-from tyingspec._src.front.results import render_verdict
+from tyingspec._src.front.results import CLASSES, RowProfile, render_verdict
 
 if TYPE_CHECKING:
     from tyingspec._src.engine.observe import Observation
@@ -43,25 +43,6 @@ _BLOCK = 512
 #: Colours: a row's class, and a wrong row (also the bound's line).
 COLOURS = {"absent": "#b9b9b9", "present": "#4c78a8", "repeated": "#f58518",
            "wrong": "#d62728"}
-CLASSES = ("absent", "present", "repeated")
-
-
-@dataclass(frozen=True)
-class RowProfile:
-    """Each row of one case's dE: its error and each path's size, over the row's bound."""
-
-    error: np.ndarray  # [V] max |dE - reference| / bound
-    input_path: np.ndarray  # [V] max |dE_in| / bound
-    output_path: np.ndarray  # [V] max |dE_out| / bound
-    reads: np.ndarray  # [V] how many times the batch read the row (0: absent)
-    wrong: frozenset[int]  # the rows the diagnosis found wrong
-
-    @property
-    def V(self) -> int:
-        return int(self.error.shape[0])
-
-    def row_class(self, row: int) -> str:
-        return CLASSES[min(2, int(self.reads[row]))]
 
 
 def row_profile(obs: Observation) -> RowProfile | str:

@@ -760,7 +760,7 @@ class _Controller:
         # A run that would otherwise exit 0 exits as `tyingspec check` does when no case had
         # the power to decide: neither a pass (0) nor a wrong gradient (1).
         if session.exitstatus == 0 and self._no_power() and self.opts.replay is None:
-            from tyingspec._src.front.baseline import EXIT_NO_POWER
+            from tyingspec._src.front.results import EXIT_NO_POWER
 
             session.exitstatus = EXIT_NO_POWER
 
@@ -779,7 +779,7 @@ class _Controller:
                     green=v.status == "passed")
         verdict = self._run_verdict()
         if verdict == NO_POWER:
-            from tyingspec._src.front.baseline import no_power_text
+            from tyingspec._src.front.results import no_power_text
 
             tr.line(f"verdict: {verdict}: {no_power_text('property')}", yellow=True, bold=True)
         elif verdict:

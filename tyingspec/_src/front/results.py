@@ -25,13 +25,55 @@ from tyingspec._src.core.render import (
     wrapped,
 )
 from tyingspec._src.engine.observe import FIRST_CALL, Stage, Status
-from tyingspec._src.front.baseline import EXIT_STATUS, no_power_text
 
-if TYPE_CHECKING:  # annotations only: the picture's module loads when one is asked for
-    from tyingspec._src.front.html import RowProfile
+if TYPE_CHECKING:
+    import numpy as np
 
-__all__ = ["CaseResult", "CheckFailed", "CheckReport", "NoPower", "Quick", "render",
-           "render_case", "render_head", "render_verdict"]
+__all__ = ["CLASSES", "EXIT_NO_POWER", "EXIT_STATUS", "CaseResult", "CheckFailed", "CheckReport",
+           "NoPower", "Quick", "RowProfile", "no_power_text", "render", "render_case",
+           "render_head", "render_verdict"]
+
+#: The exit status of a run in which no case (``tyingspec check``) or no property (the pytest
+#: plugin) had the power to decide: a correct gradient judged where no check could have told
+#: it from a broken one (a float32 model at ``--precision bfloat16``).  Neither 0 (correct) nor
+#: 1 (a wrong gradient, and nothing else), 2 (a usage or adapter error) or 130 (interrupted);
+#: 77, automake's and meson's status for a test that could not decide (a harness shows it as
+#: neither pass nor fail), so that the plugin's run exits with the same status as the command:
+#: pytest's own statuses grow from 0 upward (9.2 added 6, ``MAX_WARNINGS_ERROR``, which an
+#: earlier choice of 6 collided with) and the shell's start at 126.
+EXIT_NO_POWER = 77
+#: ``tyingspec check``'s exit status for each verdict of a run.
+EXIT_STATUS = {"correct": 0, "wrong": 1, "adapter_error": 2, "no_power": EXIT_NO_POWER}
+
+
+def no_power_text(unit: str) -> str:
+    """What a run in which no ``unit`` (case, property) had the power to decide says."""
+    return (f"no {unit} had the power to decide (exit {EXIT_NO_POWER}): a gradient with a "
+            f"path dropped would have passed every {unit} too, so this is neither a pass nor a "
+            "wrong gradient; check at a precision whose rounding bound is below a path (a "
+            "float32 build, --precision float32) or on larger batches")
+
+
+#: A row's class by how many times the batch read it.
+CLASSES = ("absent", "present", "repeated")
+
+
+@dataclass(frozen=True)
+class RowProfile:
+    """Each row of one case's dE: its error and each path's size, over the row's bound."""
+
+    error: np.ndarray  # [V] max |dE - reference| / bound
+    input_path: np.ndarray  # [V] max |dE_in| / bound
+    output_path: np.ndarray  # [V] max |dE_out| / bound
+    reads: np.ndarray  # [V] how many times the batch read the row (0: absent)
+    wrong: frozenset[int]  # the rows the diagnosis found wrong
+
+    @property
+    def V(self) -> int:
+        return int(self.error.shape[0])
+
+    def row_class(self, row: int) -> str:
+        return CLASSES[min(2, int(self.reads[row]))]
 
 
 @dataclass
