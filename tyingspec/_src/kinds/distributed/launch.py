@@ -321,8 +321,9 @@ def _warm() -> None:
 
 #: how many times a world is started before its failure is reported: starting one runs no
 #: code of the target's (a process group joined, groups built), so a failure there is the
-#: machine's, not the gradient's -- on a loaded 2-core machine a rank forked while another
-#: world's store thread held a lock has been seen to miss the rendezvous (CI, 48 s timeout)
+#: machine's, not the gradient's: on CI's loaded 2-core machine a rank of a pp=2 x dp=2 world
+#: once missed the rendezvous for the whole 48 s (why is not known; ranks are forked beside
+#: the threads of the other worlds' stores, one suspect)
 START_ATTEMPTS = 3
 
 
