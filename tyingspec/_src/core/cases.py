@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import weakref
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -31,9 +31,6 @@ from tyingspec._src.core.paths import (
 )
 from tyingspec._src.core.threads import on_cores, on_row_blocks
 from tyingspec._src.core.tolerance import numpy_dtype
-
-if TYPE_CHECKING:
-    from tyingspec._src.core.kind import KindSpec
 
 #: How the tokens of a batch are composed.  ``random``: uniform; ``distinct``: no repeats;
 #: ``repeats``: ``distinct`` tokens, each present, some repeated; ``one-token``: one token N times;
@@ -314,6 +311,22 @@ def _drawn_low_rank(rng: np.random.Generator, shape: tuple[int, int], dt: np.dty
     E[rows, rows % d] += spikes.astype(dt)  # exact: integers below 2**24
     E *= dt.type(s)
     return E, LowRank(A, B, s, weakref.ref(E), spikes)
+
+
+class KindSpec(Protocol):
+    """What the cases read of a kind's ``core.kind.KindSpec`` (named here, not imported: that
+    module imports this one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def draws(self) -> Callable[[Batch, Case], Batch] | None: ...
+    @property
+    def e_scale_at(self) -> Callable[[Case, int], float | None] | None: ...
+    @property
+    def length_cases(self) -> tuple[str, ...]: ...
+    @property
+    def peak_bytes(self) -> Callable[[int, int, int, str], int]: ...
 
 
 def build(case: Case, kind: KindSpec | None = None) -> Batch:

@@ -13,16 +13,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from tyingspec._src.kinds.torch.batch import TorchBatch
 from tyingspec._src.kinds.torch.discover import Tie, loss_function
 from tyingspec._src.kinds.torch.setting import fitted_shape
+from tyingspec._src.kinds.torch.target import TorchTarget
 
-if TYPE_CHECKING:
-    from tyingspec._src.kinds.torch.adapter import Build
+
+class Build(Protocol):
+    """What the budget reads of ``kinds.torch.adapter.Build`` (named here, not imported: the
+    adapter imports this module)."""
+
+    target: TorchTarget
+
+    def fresh(self) -> torch.nn.Module: ...
 
 #: Seconds of model passes one check may spend, and about how many passes it takes.
 BUDGET_SECONDS = 60.0
