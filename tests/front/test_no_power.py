@@ -24,10 +24,10 @@ from report_schemas import assert_valid
 import tyingspec
 from tyingspec._src.core.cases import standard_cases
 from tyingspec._src.engine import observe as _observe
-from tyingspec._src.front.baseline import EXIT_NO_POWER, apply_check_baseline
+from tyingspec._src.front.baseline import apply_check_baseline
 from tyingspec._src.front.check import check_target
 from tyingspec._src.front.cli import main
-from tyingspec._src.front.results import CheckFailed, NoPower
+from tyingspec._src.front.results import EXIT_NO_POWER, CheckFailed, NoPower
 
 REPO = Path(__file__).resolve().parents[2]
 

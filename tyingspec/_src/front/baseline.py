@@ -26,9 +26,7 @@ from typing import Any
 
 from tyingspec._src.core.errors import TyingspecError
 from tyingspec._src.core.files import atomic_write, create_exclusive
-
-# the exit statuses are the report's: re-exported, the names older code imports from here
-from tyingspec._src.front.results import EXIT_NO_POWER, EXIT_STATUS, CheckReport, no_power_text
+from tyingspec._src.front.results import CheckReport
 
 SCHEMA = "tyingspec.baseline/1"
 UNITS = ("property", "case")
@@ -336,6 +334,6 @@ def apply_check_baseline(report: CheckReport, path: str, update: bool,
     return code, result.lines("--update-baseline")
 
 
-__all__ = ["EXIT_NO_POWER", "EXIT_STATUS", "INVARIANTS", "Baseline", "BaselineError", "Change",
-           "GateResult", "apply_check_baseline", "check_verdicts", "compare", "gate", "in_ci",
-           "legend", "load", "no_power_text", "save", "summary_markdown"]
+__all__ = ["INVARIANTS", "Baseline", "BaselineError", "Change", "GateResult",
+           "apply_check_baseline", "check_verdicts", "compare", "gate", "in_ci", "legend", "load",
+           "save", "summary_markdown"]

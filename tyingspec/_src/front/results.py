@@ -144,7 +144,7 @@ class CheckReport:
     @property
     def exit_code(self) -> int:
         """0 correct, 1 a wrong gradient (and nothing else), 2 a usage or adapter error, and
-        ``EXIT_NO_POWER`` (77) when no case had the power to decide (see ``front.baseline``)."""
+        ``EXIT_NO_POWER`` (77) when no case had the power to decide (see its comment above)."""
         return EXIT_STATUS[self.verdict]
 
     @property
