@@ -313,9 +313,9 @@ def _drawn_low_rank(rng: np.random.Generator, shape: tuple[int, int], dt: np.dty
     return E, LowRank(A, B, s, weakref.ref(E), spikes)
 
 
-class KindSpec(Protocol):
-    """What the cases read of a kind's ``core.kind.KindSpec`` (named here, not imported: that
-    module imports this one)."""
+class KindLike(Protocol):
+    """What the cases read of a kind: ``core.kind.KindSpec`` has it (named here, not imported:
+    that module imports this one)."""
 
     @property
     def name(self) -> str: ...
@@ -329,7 +329,7 @@ class KindSpec(Protocol):
     def peak_bytes(self) -> Callable[[int, int, int, str], int]: ...
 
 
-def build(case: Case, kind: KindSpec | None = None) -> Batch:
+def build(case: Case, kind: KindLike | None = None) -> Batch:
     """Every array of a case, from its seed (weights at a scale where both paths matter), with
     what ``kind`` draws from the case's options (``KindSpec.draws``: a linear-ce case's ignored
     targets, class weights, upstream gradient).  A case with options needs the kind that
@@ -439,7 +439,7 @@ def at_model_setting(case: Case, V: int, d: int, N: int, setting: str) -> Case:
                    composition=composition, distinct=distinct, setting=setting)
 
 
-def at_shape(cases: list[Case], V: int, d: int, N: int, kind: KindSpec | None = None
+def at_shape(cases: list[Case], V: int, d: int, N: int, kind: KindLike | None = None
              ) -> tuple[list[Case], list[str]]:
     """The cases of ``kind`` (default: a model's) at a user's shape, each keeping its
     composition (and its N, for the kind's ``length_cases``; E at the scale the kind's
@@ -486,7 +486,7 @@ OVERHEAD = 128 << 20
 
 
 def memory_problem(V: int, d: int, N: int, available: int | None, precision: str = "float64",
-                   kind: KindSpec | None = None) -> str | None:
+                   kind: KindLike | None = None) -> str | None:
     """Why a case of ``kind`` (default: a model) at ``V, d, N`` in ``precision`` cannot run
     here (it needs more memory than ``available`` bytes, by the kind's ``peak_bytes``); None
     when it fits or the available memory is unknown."""

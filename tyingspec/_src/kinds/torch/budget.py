@@ -23,8 +23,8 @@ from tyingspec._src.kinds.torch.setting import fitted_shape
 from tyingspec._src.kinds.torch.target import TorchTarget
 
 
-class Build(Protocol):
-    """What the budget reads of ``kinds.torch.adapter.Build`` (named here, not imported: the
+class BuildLike(Protocol):
+    """What the budget reads of a ``kinds.torch.adapter.Build`` (named here, not imported: the
     adapter imports this module)."""
 
     target: TorchTarget
@@ -39,7 +39,7 @@ PASSES = 400
 MAX_TOKENS = 4096
 
 
-def _pass_seconds(build: Build, tie: Tie, B: int, T: int) -> float:
+def _pass_seconds(build: BuildLike, tie: Tie, B: int, T: int) -> float:
     """One forward and backward of a fresh model at ``B`` x ``T`` (raises what it raises)."""
     model = build.fresh()
     ids = torch.arange(B * T).reshape(B, T) % tie.vocab
@@ -50,7 +50,7 @@ def _pass_seconds(build: Build, tie: Tie, B: int, T: int) -> float:
     return time.perf_counter() - t0
 
 
-def fitted(build: Build, tie: Tie) -> tuple[Tie, str]:
+def fitted(build: BuildLike, tie: Tie) -> tuple[Tie, str]:
     """``tie`` with the batch shape a check runs (``batch_size`` x ``seq_len``), and the
     report's note on it."""
     target = build.target
