@@ -41,7 +41,12 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def _imports(tree: ast.AST, *, type_level: bool = False
+             ) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports that run (``type_level``: those under ``if TYPE_CHECKING:`` too)."""
+    if type_level:
+        yield from (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
+        return
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, ast.If) and _type_checking(node):
             yield from (n for body in node.orelse for n in _imports_in(body))
@@ -67,10 +72,7 @@ def graph(*, type_level: bool = False) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for name, f in mods.items():
         package = name if f.name == "__init__.py" else name.rpartition(".")[0]
-        tree = ast.parse(f.read_text(), str(f))
-        found = (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))) \
-            if type_level else _imports(tree)
-        for node in found:
+        for node in _imports(ast.parse(f.read_text(), str(f)), type_level=type_level):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
